@@ -1,0 +1,246 @@
+"""Decode-step time of the V4 cache against a dense cache and against the memory roofline.
+
+One step = the cache update of every layer (window, tails, entries emitted at block edges)
++ the attention of every layer (CSA: indexer over all visible keys, top-k gather; HCA: all
+C128 entries; every layer: the window). Layer pattern of V4-Flash (2 SWA, 21 CSA, 20 HCA)
+at reduced widths. The dense baseline keeps one hd-vector per token per layer (MQA, K = V)
+and attends over all of them.
+
+Roofline: bytes the step must read / read bandwidth, the bandwidth measured in the same run
+by a jitted sum over a 1 GiB array.
+
+    python benchmarks/decode.py                  # 1k, 8k, 32k, 128k; writes decode.json
+    python benchmarks/decode.py --contexts 1024 8192 --batch 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from v4kv_jax import config as cfg
+from v4kv_jax import step, synthetic
+from v4kv_jax.attention import Queries
+from v4kv_jax.config import LayerKind
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def bench_model(args) -> cfg.AttentionConfig:
+    return cfg.flash(hidden_size=1024, num_heads=args.heads, head_dim=args.head_dim,
+                     rope_dim=args.head_dim // 4, q_lora_rank=256, o_groups=2, o_lora_rank=128,
+                     index_heads=args.index_heads, index_head_dim=args.index_head_dim,
+                     index_topk=args.topk)
+
+
+def timed(fn, *args, repeats: int):
+    """(first call seconds incl. compile, median of `repeats` later calls, last result)."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times), out
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a jitted sum over a 1 GiB float32 array (best of 5)."""
+    x = jnp.ones((1 << 28,), jnp.float32)
+    f = jax.jit(jnp.sum)
+    jax.block_until_ready(f(x))
+    best = min(_once(f, x) for _ in range(5))
+    del x
+    return (1 << 30) / best
+
+
+def _once(f, x) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(x))
+    return time.perf_counter() - t0
+
+
+def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every visible indexer key, the k picked C4 entries,
+    every visible C128 entry and the window, per CSA / HCA / every layer."""
+    e = cfg.itemsize(geometry.entry_dtype)
+    w = cfg.itemsize(geometry.window_dtype)
+    n_c4 = context // model.csa_ratio
+    per_seq = (
+        model.num_layers * model.window * model.head_dim * w
+        + model.num_csa * (n_c4 * model.index_head_dim + min(model.index_topk, n_c4)
+                           * model.head_dim) * e
+        + model.num_hca * (context // model.hca_ratio) * model.head_dim * e
+    )
+    return batch * per_seq
+
+
+def make_v4_step(model):
+    n = model.num_layers
+
+    def v4_step(cache, vectors, queries, weights):
+        cache, plan = step.begin_append(cache, jnp.arange(cache.geometry.max_slots),
+                                        jnp.ones((cache.geometry.max_slots,), jnp.int32), 1)
+        cache = step.append_layers(cache, plan, vectors, weights)
+        cache = step.end_append(cache, plan)
+        slots = plan.slot_ids
+        out = jnp.zeros((n, *queries.q.shape[1:]), jnp.float32)
+        for kind in LayerKind:
+            layers = model.layers_of(kind)
+            if not layers:
+                continue
+            glob = jnp.asarray(layers, jnp.int32)
+            xs = (glob, jnp.arange(len(layers), dtype=jnp.int32), queries.q[glob],
+                  queries.sink[glob])
+            if kind == LayerKind.CSA:
+                xs += (queries.index_q, queries.index_weights)
+
+            def body(_, x, kind=kind):
+                q = Queries(q=x[2], sink=x[3], index_q=x[4] if len(x) > 4 else None,
+                            index_weights=x[5] if len(x) > 4 else None)
+                ref = step.LayerRef(x[0], x[1], kind)
+                return None, step.decode_attention(cache, ref, q, slots)
+
+            _, o = jax.lax.scan(body, None, xs)
+            out = out.at[glob].set(o)
+        return cache, out
+
+    return jax.jit(v4_step, donate_argnums=0)
+
+
+def make_dense_step(model):
+    scale = model.head_dim**-0.5
+
+    def dense_step(kcache, length, new_kv, q):
+        """kcache [n_layers, B, L, hd]; new_kv [n_layers, B, hd]; q [n_layers, B, H, hd]."""
+        kcache = jax.lax.dynamic_update_slice_in_dim(kcache, new_kv[:, :, None], length, axis=2)
+        valid = jnp.arange(kcache.shape[2]) <= length
+
+        def layer(_, x):
+            k, qq = x
+            logits = jnp.einsum("bhd,bld->bhl", qq, k) * scale
+            logits = jnp.where(valid, logits, -jnp.inf)
+            p = jax.nn.softmax(logits, axis=-1)
+            return None, jnp.einsum("bhl,bld->bhd", p, k)
+
+        _, out = jax.lax.scan(layer, None, (kcache, q))
+        return kcache, out
+
+    return jax.jit(dense_step, donate_argnums=0)
+
+
+def run(args) -> dict:
+    model = bench_model(args)
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (jitted sum over 1 GiB): {bandwidth / 2**30:.1f} GiB/s", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+    for context in args.contexts:
+        P = 128
+        pages_per_seq = -(-(context + args.steps + 1) // P)
+        geometry = cfg.CacheConfig(num_pages=args.batch * pages_per_seq + 1,
+                                   max_slots=args.batch, max_pages_per_seq=pages_per_seq,
+                                   page_tokens=P)
+        cache = synthetic.random_cache(model, geometry, [context] * args.batch, seed=context)
+        data = synthetic.SyntheticBatch.draw(model, args.batch, 1, seed=1)
+        vectors, queries = data.vectors(0, 1), data.stacked_queries(0, 1)
+        v4 = make_v4_step(model)
+        t0 = time.perf_counter()
+        cache, out = v4(cache, vectors, queries, data.weights)
+        jax.block_until_ready(out)
+        compile_s = time.perf_counter() - t0
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            cache, out = v4(cache, vectors, queries, data.weights)
+            jax.block_until_ready(out)
+            times.append(time.perf_counter() - t0)
+        v4_ms = 1e3 * statistics.median(times)
+        del cache
+        need = v4_step_bytes(model, geometry, args.batch, context)
+        roofline_ms = 1e3 * need / bandwidth
+
+        dense_ms = dense_compile = None
+        dense_bytes = model.num_layers * args.batch * (context + 1) * model.head_dim * 4
+        if not args.skip_dense and dense_bytes < args.dense_limit_gib * 2**30:
+            kc = jnp.zeros((model.num_layers, args.batch, context + 1, model.head_dim),
+                           jnp.float32)
+            kc = kc + jax.random.normal(jax.random.PRNGKey(0), (1, 1, 1, model.head_dim))
+            dense = make_dense_step(model)
+            new_kv = jnp.ones((model.num_layers, args.batch, model.head_dim))
+            q = jnp.asarray(queries.q[:, :, 0])
+            t0 = time.perf_counter()
+            kc, o = dense(kc, context, new_kv, q)
+            jax.block_until_ready(o)
+            dense_compile = time.perf_counter() - t0
+            dt = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                kc, o = dense(kc, context, new_kv, q)
+                jax.block_until_ready(o)
+                dt.append(time.perf_counter() - t0)
+            dense_ms = 1e3 * statistics.median(dt)
+            del kc
+        row = dict(context=context, batch=args.batch, v4_ms=v4_ms, v4_compile_s=compile_s,
+                   v4_bytes_read=need, roofline_ms=roofline_ms,
+                   v4_over_roofline=v4_ms / roofline_ms, dense_ms=dense_ms,
+                   dense_compile_s=dense_compile, dense_bytes_read=dense_bytes,
+                   speedup_vs_dense=(dense_ms / v4_ms) if dense_ms else None)
+        rows.append(row)
+        print(_format_row(row), flush=True)
+    return dict(
+        benchmark="decode",
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+                     backend=jax.default_backend(), jax=jax.__version__),
+        model=dict(layers=model.num_layers, csa=model.num_csa, hca=model.num_hca,
+                   head_dim=model.head_dim, heads=model.num_heads,
+                   index=f"{model.index_heads}x{model.index_head_dim}", topk=model.index_topk,
+                   window=model.window),
+        read_bandwidth_gib_s=bandwidth / 2**30,
+        rows=rows,
+    )
+
+
+HEADER = (f"{'context':>8} {'batch':>5} {'v4 ms':>8} {'roofline':>9} {'x roof':>7} "
+          f"{'dense ms':>9} {'speedup':>8} {'compile s':>9}")
+
+
+def _format_row(r) -> str:
+    dense = f"{r['dense_ms']:9.2f}" if r["dense_ms"] else f"{'-':>9}"
+    speed = f"{r['speedup_vs_dense']:7.1f}x" if r["speedup_vs_dense"] else f"{'-':>8}"
+    return (f"{r['context']:>8} {r['batch']:>5} {r['v4_ms']:8.2f} {r['roofline_ms']:8.2f}m "
+            f"{r['v4_over_roofline']:6.2f}x {dense} {speed} {r['v4_compile_s']:9.1f}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--index-heads", type=int, default=8)
+    p.add_argument("--index-head-dim", type=int, default=64)
+    p.add_argument("--topk", type=int, default=512)
+    p.add_argument("--skip-dense", action="store_true")
+    p.add_argument("--dense-limit-gib", type=float, default=12.0)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "decode.json"))
+    args = p.parse_args(argv)
+    result = run(args)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

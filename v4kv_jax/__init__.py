@@ -1,0 +1,37 @@
+"""v4kv_jax: the DeepSeek-V4 KV cache (Classical + State pools) and attention in JAX."""
+
+from v4kv_jax.attention import Queries, output_projection
+from v4kv_jax.compressor import CompressorInput, CompressorParams, CompressorWeights
+from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, flash, pro, tiny
+from v4kv_jax.pools import (
+    Cache,
+    MemoryReport,
+    SlotStatus,
+    init_cache,
+    inspect_slots,
+    memory_report,
+    release_slot,
+    reset_slot,
+)
+from v4kv_jax.step import (
+    AppendPlan,
+    LayerParams,
+    LayerRef,
+    LayerVectors,
+    TokenVectors,
+    begin_append,
+    decode_attention,
+    decode_step,
+    end_append,
+    layer_step,
+    prefill,
+)
+
+__all__ = [
+    "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput",
+    "CompressorParams", "CompressorWeights", "LayerKind", "LayerParams", "LayerRef",
+    "LayerVectors", "MemoryReport", "Queries", "SlotStatus", "TokenVectors", "begin_append",
+    "decode_attention", "decode_step", "end_append", "flash", "init_cache", "inspect_slots",
+    "layer_step", "memory_report", "output_projection", "prefill", "pro", "release_slot",
+    "reset_slot", "tiny",
+]

@@ -1,0 +1,188 @@
+"""Compressors: m tokens become one entry (SPEC sections 3 and 4).
+
+There are three compressors per model, one array stack each:
+  "csa"        main compressor of CSA layers:    ratio m,  overlap, entries of head_dim
+  "csa_index"  indexer compressor of CSA layers: ratio m,  overlap, keys of index_head_dim
+  "hca"        compressor of HCA layers:         ratio m', no overlap, entries of head_dim
+
+Inputs per token are `kv` (a_t) and `gate` (z_t before the position bias), each of width
+coff * d_c (coff = 2 with overlap). The tail of a slot is a ring of `ring = coff * m` rows
+indexed by position mod ring, holding (a_t, z_t + ape[t mod m]) in fp32: with overlap this is
+the open block plus the complete block before it (whose first halves the next entry pools),
+without overlap just the open block. Which rows are meaningful follows from the slot length
+alone, so a reset slot (length 0) never reads stale rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from v4kv_jax import rope
+from v4kv_jax.config import AttentionConfig, LayerKind
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressorSpec:
+    name: str
+    kind: LayerKind
+    ratio: int
+    overlap: bool
+    width: int  # d_c, the entry width
+
+    @property
+    def in_width(self) -> int:
+        return 2 * self.width if self.overlap else self.width
+
+    @property
+    def ring(self) -> int:
+        return 2 * self.ratio if self.overlap else self.ratio
+
+    @property
+    def slots(self) -> int:
+        """Tokens pooled into one entry."""
+        return self.ring
+
+    def blocks_per_chunk(self, tokens: int) -> int:
+        """Static bound on blocks that complete while `tokens` tokens are appended."""
+        return -(-tokens // self.ratio)
+
+
+def compressor_specs(config: AttentionConfig) -> tuple[CompressorSpec, ...]:
+    return (
+        CompressorSpec("csa", LayerKind.CSA, config.csa_ratio, True, config.head_dim),
+        CompressorSpec("csa_index", LayerKind.CSA, config.csa_ratio, True, config.index_head_dim),
+        CompressorSpec("hca", LayerKind.HCA, config.hca_ratio, False, config.head_dim),
+    )
+
+
+@struct.dataclass
+class CompressorParams:
+    """Learned parameters the cache needs to pool entries (stacked over the kind's layers).
+
+    Attributes:
+      ape: f32[n, m, in_width], position bias added to the gate by t mod m.
+      norm: f32[n, width], weight of the entry RMSNorm.
+    """
+
+    ape: jax.Array
+    norm: jax.Array
+
+
+@struct.dataclass
+class CompressorWeights:
+    csa: CompressorParams
+    csa_index: CompressorParams
+    hca: CompressorParams
+
+    @classmethod
+    def init(cls, config: AttentionConfig, key: jax.Array | None = None,
+             scale: float = 0.5) -> CompressorWeights:
+        """Random ape (N(0, scale^2)) and norm weights (1 + N(0, 0.1^2)); `key=None` gives
+        zero ape and unit norms."""
+        params = {}
+        for i, spec in enumerate(compressor_specs(config)):
+            n = len(config.layers_of(spec.kind))
+            shape_ape, shape_norm = (n, spec.ratio, spec.in_width), (n, spec.width)
+            if key is None:
+                params[spec.name] = CompressorParams(
+                    jnp.zeros(shape_ape, jnp.float32), jnp.ones(shape_norm, jnp.float32))
+            else:
+                ka, kn = jax.random.split(jax.random.fold_in(key, i))
+                params[spec.name] = CompressorParams(
+                    scale * jax.random.normal(ka, shape_ape, jnp.float32),
+                    1.0 + 0.1 * jax.random.normal(kn, shape_norm, jnp.float32),
+                )
+        return cls(**params)
+
+
+@struct.dataclass
+class CompressorInput:
+    """Per-token compressor projections: kv = a_t, gate = z_t without the position bias.
+
+    Shapes [..., B, T, in_width]; a leading layer axis when given for all layers of a kind.
+    """
+
+    kv: jax.Array
+    gate: jax.Array
+
+
+def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+    """RMSNorm in fp32: x / sqrt(mean(x^2) + eps) (* weight)."""
+    x = x.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight.astype(jnp.float32)
+
+
+def biased_gate(spec: CompressorSpec, gate: jax.Array, ape: jax.Array,
+                positions: jax.Array) -> jax.Array:
+    """z_t + ape[t mod m] in fp32. gate [B, T, w], positions i32[B, T]."""
+    return gate.astype(jnp.float32) + ape[positions % spec.ratio].astype(jnp.float32)
+
+
+def tail_writes(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens: int
+                ) -> jax.Array:
+    """Ring row of each new token, or `ring` (out of bounds, dropped) where it is not kept.
+
+    Only the last `ring` tokens of a chunk are written, so every kept row is written once.
+    Returns i32[B, T].
+    """
+    j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    keep = (j < n_new[:, None]) & (j >= n_new[:, None] - spec.ring)
+    return jnp.where(keep, (start[:, None] + j) % spec.ring, spec.ring)
+
+
+def completed_blocks(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens: int
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Blocks completed by appending n_new tokens at `start`: (block index i32[B, nb], bool)."""
+    k = jnp.arange(spec.blocks_per_chunk(tokens), dtype=jnp.int32)[None, :]
+    block = start[:, None] // spec.ratio + k
+    done = (block + 1) * spec.ratio <= (start + n_new)[:, None]
+    return block, done
+
+
+def pool_blocks(spec: CompressorSpec, config: AttentionConfig, tail_kv: jax.Array,
+                tail_gate: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
+                block: jax.Array, norm: jax.Array, inv_freq) -> jax.Array:
+    """Entries of the given blocks, pooled from the tail ring and the new chunk.
+
+    Args:
+      tail_kv, tail_gate: f32[B, ring, in_width], the ring BEFORE this chunk.
+      kv, gate: f32[B, T, in_width], the chunk (gate already biased).
+      start: i32[B], slot length before the chunk.
+      block: i32[B, nb], block indices (all must be complete after the chunk).
+      norm: f32[width].
+      inv_freq: RoPE frequencies of the kind.
+
+    Returns:
+      f32[B, nb, width]: RoPE_{i m}(RMSNorm_w(softmax-pooled block i)).
+    """
+    m, w, tokens = spec.ratio, spec.width, kv.shape[1]
+    s = jnp.arange(spec.slots, dtype=jnp.int32)
+    first = (block - 1) * m if spec.overlap else block * m
+    pos = first[..., None] + s  # [B, nb, slots]
+    from_tail = pos < start[:, None, None]
+    bidx = jnp.arange(kv.shape[0])[:, None, None]
+    ring_row = pos % spec.ring
+    chunk_row = jnp.clip(pos - start[:, None, None], 0, tokens - 1)
+
+    def source(tail, new):
+        return jnp.where(from_tail[..., None], tail[bidx, ring_row], new[bidx, chunk_row])
+
+    a, z = source(tail_kv, kv), source(tail_gate, gate)  # [B, nb, slots, in_width]
+    if spec.overlap:
+        # Slots [0, m) are block i-1 through the FIRST half; [m, 2m) are block i, SECOND half.
+        half = (s >= m)[None, None, :, None]
+        a = jnp.where(half, a[..., w:], a[..., :w])
+        z = jnp.where(half, z[..., w:], z[..., :w])
+    valid = (pos >= 0)[..., None]
+    z = jnp.where(valid, z, -jnp.inf)
+    weights = jax.nn.softmax(z, axis=-2)
+    pooled = jnp.sum(jnp.where(valid, weights * a, 0.0), axis=-2)
+    entries = rms_norm(pooled, norm, config.rms_eps)
+    return rope.rotate(entries, block * m, inv_freq)

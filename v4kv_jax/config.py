@@ -1,0 +1,318 @@
+"""Static geometry: the attention layers of a V4-style model and the cache that serves them.
+
+Both configs are frozen, hashable dataclasses, so they can be static arguments of `jax.jit`
+and static (aux) fields of the cache pytree. Everything that changes per step lives in
+arrays inside the cache, never here.
+
+Layer kinds come from a `compress_ratios` list (one int per layer, as in the official
+checkpoint): 0 = SWA (sliding window only), `csa_ratio` = CSA (top-k of C4 entries chosen by
+the lightning indexer), `hca_ratio` = HCA (all C128 entries, dense).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+SUPERBLOCK_TOKENS = 128  # lcm(4, 128): pages are aligned to this in every layer kind.
+
+
+class LayerKind(enum.IntEnum):
+    SWA = 0
+    CSA = 1
+    HCA = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Geometry of the attention layers (SPEC section 1). Field names follow the SPEC symbols.
+
+    Attributes:
+      hidden_size: D.
+      num_heads: H query heads (one shared KV head: MQA, key = value).
+      head_dim: hd.
+      rope_dim: r, the LAST r dims of every rotated vector.
+      q_lora_rank: rank of the query down-projection.
+      o_groups: g output groups.
+      o_lora_rank: R, rank per output group.
+      window: W, the sliding window (the query itself included).
+      compress_ratios: one ratio per attention layer (0, csa_ratio or hca_ratio).
+      csa_ratio: m, tokens per C4 entry (CSA, overlapping blocks).
+      hca_ratio: m', tokens per C128 entry (HCA).
+      index_heads: nI indexer heads.
+      index_head_dim: c indexer head dim (>= rope_dim).
+      index_topk: k, C4 entries read per query in CSA layers.
+      rope_theta: RoPE base of SWA layers (no YaRN).
+      compress_rope_theta: RoPE base of CSA and HCA layers (with YaRN).
+      yarn_factor, yarn_original_max_position, yarn_beta_fast, yarn_beta_slow: YaRN of the
+        compressed layers; `yarn_factor=1` disables it.
+      rms_eps: epsilon of every RMSNorm.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    window: int
+    compress_ratios: tuple[int, ...]
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    index_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    yarn_factor: float = 16.0
+    yarn_original_max_position: int = 65536
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    rms_eps: float = 1e-6
+
+    def __post_init__(self):
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        positive = {
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "rope_dim": self.rope_dim,
+            "q_lora_rank": self.q_lora_rank,
+            "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank,
+            "window": self.window,
+            "csa_ratio": self.csa_ratio,
+            "hca_ratio": self.hca_ratio,
+            "index_heads": self.index_heads,
+            "index_head_dim": self.index_head_dim,
+            "index_topk": self.index_topk,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            raise ValueError(
+                f"rope_dim={self.rope_dim} must be even and at most head_dim={self.head_dim}"
+            )
+        if self.index_head_dim < self.rope_dim:
+            raise ValueError(
+                f"index_head_dim={self.index_head_dim} must be >= rope_dim={self.rope_dim}"
+            )
+        if self.num_heads % self.o_groups:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be divisible by o_groups={self.o_groups}"
+            )
+        if self.csa_ratio == self.hca_ratio:
+            raise ValueError(f"csa_ratio={self.csa_ratio} and hca_ratio must differ")
+        if not self.compress_ratios:
+            raise ValueError("compress_ratios must name at least one layer")
+        allowed = {0, self.csa_ratio, self.hca_ratio}
+        bad = sorted({r for r in self.compress_ratios if r not in allowed})
+        if bad:
+            raise ValueError(
+                f"compress_ratios holds {bad}; expected only values in {sorted(allowed)}"
+            )
+
+    @classmethod
+    def from_compress_ratios(
+        cls, compress_ratios: Sequence[int], num_layers: int | None = None, **fields
+    ) -> AttentionConfig:
+        """Builds a config from a checkpoint's `compress_ratios`.
+
+        The official list carries one trailing entry for the MTP block; pass `num_layers` to
+        keep only the first `num_layers` entries.
+        """
+        ratios = tuple(compress_ratios)
+        if num_layers is not None:
+            if num_layers > len(ratios):
+                raise ValueError(
+                    f"num_layers={num_layers} exceeds len(compress_ratios)={len(ratios)}")
+            ratios = ratios[:num_layers]
+        return cls(compress_ratios=ratios, **fields)
+
+    # --- derived layout -------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.compress_ratios)
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        kind = {0: LayerKind.SWA, self.csa_ratio: LayerKind.CSA, self.hca_ratio: LayerKind.HCA}
+        return tuple(kind[r] for r in self.compress_ratios)
+
+    def layers_of(self, kind: LayerKind) -> tuple[int, ...]:
+        """Global indices of the layers of one kind, in order."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k == kind)
+
+    @property
+    def num_csa(self) -> int:
+        return len(self.layers_of(LayerKind.CSA))
+
+    @property
+    def num_hca(self) -> int:
+        return len(self.layers_of(LayerKind.HCA))
+
+    def kind_index(self, layer: int) -> int:
+        """Position of global layer `layer` in the stacked arrays of its kind."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} must be in [0, {self.num_layers})")
+        return self.layers_of(self.layer_kinds[layer]).index(layer)
+
+    def ratio(self, kind: LayerKind) -> int:
+        return {LayerKind.CSA: self.csa_ratio, LayerKind.HCA: self.hca_ratio}[kind]
+
+    def uses_yarn(self, kind: LayerKind) -> bool:
+        return kind != LayerKind.SWA and self.yarn_factor > 1.0
+
+    def rope_base(self, kind: LayerKind) -> float:
+        return self.rope_theta if kind == LayerKind.SWA else self.compress_rope_theta
+
+
+def flash(**overrides) -> AttentionConfig:
+    """DeepSeek-V4-Flash: 43 layers, 0-1 SWA, then CSA on even and HCA on odd layers."""
+    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
+    fields = dict(
+        hidden_size=4096,
+        num_heads=64,
+        head_dim=512,
+        rope_dim=64,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        window=128,
+        compress_ratios=ratios,
+        index_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+    )
+    fields.update(overrides)
+    return AttentionConfig(**fields)
+
+
+def pro(**overrides) -> AttentionConfig:
+    """DeepSeek-V4-Pro: 61 layers, 0-1 HCA, then CSA on even and HCA on odd layers."""
+    ratios = (128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61))
+    fields = dict(
+        hidden_size=7168,
+        num_heads=128,
+        head_dim=512,
+        rope_dim=64,
+        q_lora_rank=1536,
+        o_groups=16,
+        o_lora_rank=1024,
+        window=128,
+        compress_ratios=ratios,
+        index_heads=64,
+        index_head_dim=128,
+        index_topk=1024,
+    )
+    fields.update(overrides)
+    return AttentionConfig(**fields)
+
+
+def tiny(**overrides) -> AttentionConfig:
+    """A few-KiB config with all three layer kinds, for tests (m' = 16, W = 16)."""
+    fields = dict(
+        hidden_size=64,
+        num_heads=4,
+        head_dim=32,
+        rope_dim=8,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        window=16,
+        compress_ratios=(0, 4, 16, 4, 16),
+        csa_ratio=4,
+        hca_ratio=16,
+        index_heads=4,
+        index_head_dim=16,
+        index_topk=8,
+    )
+    fields.update(overrides)
+    return AttentionConfig(**fields)
+
+
+PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Geometry and storage of the two pools.
+
+    Attributes:
+      page_tokens: P, tokens per page; a multiple of 128 (and of both ratios).
+      num_pages: pages in the Classical pool, shared by all requests.
+      max_slots: concurrent requests (rows of the State pool).
+      max_pages_per_seq: length of a request's page-table row; the longest sequence is
+        `max_pages_per_seq * page_tokens` tokens.
+      entry_dtype: storage of C4 entries, indexer keys and C128 entries.
+      window_dtype: storage of the sliding-window ring.
+      tail_dtype: storage of the compressor tails (the SPEC pools them in fp32).
+      index_read_entries: indexer keys the reference scores per loop step (rounded to whole
+        pages); the loop runs over used pages only, so its cost follows the context.
+      hca_read_entries: C128 entries the reference reads per loop step (whole pages).
+      query_tile: queries per tile in prefill attention (bounds memory, not results).
+    """
+
+    num_pages: int
+    max_slots: int
+    max_pages_per_seq: int
+    page_tokens: int = 128
+    entry_dtype: str = "float32"
+    window_dtype: str = "float32"
+    tail_dtype: str = "float32"
+    index_read_entries: int = 4096
+    hca_read_entries: int = 512
+    query_tile: int = 64
+
+    def __post_init__(self):
+        if self.page_tokens <= 0 or self.page_tokens % SUPERBLOCK_TOKENS:
+            raise ValueError(
+                f"page_tokens={self.page_tokens} must be a positive multiple of "
+                f"{SUPERBLOCK_TOKENS} (lcm of the compression ratios)"
+            )
+        for name in ("num_pages", "max_slots", "max_pages_per_seq", "query_tile",
+                     "index_read_entries", "hca_read_entries"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"{name}={value} must be positive")
+        for name in ("entry_dtype", "window_dtype", "tail_dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPES:
+                raise ValueError(f"{name}={value!r} must be one of {_DTYPES}")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_pages_per_seq * self.page_tokens
+
+    def dtype(self, name: str) -> jnp.dtype:
+        return jnp.dtype(getattr(self, f"{name}_dtype"))
+
+    def check_against(self, model: AttentionConfig) -> None:
+        """Raises if the page size does not align with the model's compression ratios."""
+        lcm = math.lcm(model.csa_ratio, model.hca_ratio)
+        if self.page_tokens % lcm:
+            raise ValueError(
+                f"page_tokens={self.page_tokens} must be a multiple of "
+                f"lcm(csa_ratio, hca_ratio)={lcm}"
+            )
+
+    def entries_per_page(self, ratio: int) -> int:
+        return self.page_tokens // ratio
+
+    def read_chunk_pages(self, entries: int, ratio: int) -> int:
+        """Pages per loop step when reading about `entries` entries of a kind with `ratio`."""
+        return max(1, entries // self.entries_per_page(ratio))
+
+
+def itemsize(dtype) -> int:
+    return int(np.dtype(jnp.dtype(dtype)).itemsize)

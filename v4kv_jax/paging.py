@@ -1,0 +1,166 @@
+"""Page tables, the device-side free stack and per-page refcounts.
+
+Layout (all int32, -1 = no page):
+  page_table  i32[max_slots, max_pages_per_seq]  ONE row per request, shared by every layer and
+                                                  every entry kind.
+  free_stack  i32[num_pages]                      free_stack[:num_free] are the free page ids;
+                                                  pages are popped from the top.
+  num_free    i32[]
+  refcount    i32[num_pages]                      requests holding each page (0 = free).
+
+Entry i of a kind with ratio m lives at page `page_table[slot, i // (P // m)]`, row
+`i % (P // m)`; a page id names the same token range in every layer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class PageState:
+    page_table: jax.Array
+    free_stack: jax.Array
+    num_free: jax.Array
+    refcount: jax.Array
+
+    @classmethod
+    def create(cls, num_pages: int, max_slots: int, max_pages_per_seq: int) -> PageState:
+        return cls(
+            page_table=jnp.full((max_slots, max_pages_per_seq), -1, jnp.int32),
+            # Reversed so that the first pops hand out pages 0, 1, 2, ...
+            free_stack=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
+            num_free=jnp.asarray(num_pages, jnp.int32),
+            refcount=jnp.zeros((num_pages,), jnp.int32),
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.refcount.shape[0]
+
+
+def pages_for(length: jax.Array, page_tokens: int) -> jax.Array:
+    """Pages a sequence of `length` tokens occupies: ceil(length / P)."""
+    return (length + page_tokens - 1) // page_tokens
+
+
+def held_pages(page_table_rows: jax.Array) -> jax.Array:
+    """i32[B]: pages a row holds (held pages form a prefix of the row)."""
+    return jnp.sum(page_table_rows >= 0, axis=-1).astype(jnp.int32)
+
+
+def allocate(pages: PageState, slot_ids: jax.Array, new_lengths: jax.Array,
+             wants: jax.Array, page_tokens: int, max_new_pages: int
+             ) -> tuple[PageState, jax.Array]:
+    """Gives each slot the pages it needs to hold `new_lengths` tokens, all or nothing.
+
+    Slots are served greedily in batch order; a slot whose pages do not fit in what is left is
+    not granted and receives nothing, so it writes nothing (the caller flags it).
+
+    Args:
+      pages: the page state.
+      slot_ids: i32[B] distinct slots.
+      new_lengths: i32[B] lengths after the append.
+      wants: bool[B], slots that append at all.
+      page_tokens: P.
+      max_new_pages: static bound on pages one slot can need in this call.
+
+    Returns:
+      (pages, granted bool[B]).
+    """
+    rows = pages.page_table[slot_ids]
+    held = held_pages(rows)
+    need = jnp.where(wants, jnp.maximum(pages_for(new_lengths, page_tokens) - held, 0), 0)
+
+    def serve(remaining, n):
+        ok = n <= remaining
+        taken = jnp.where(ok, n, 0)
+        return remaining - taken, (ok, pages.num_free - remaining)
+
+    remaining, (granted, offset) = jax.lax.scan(serve, pages.num_free, need)
+    granted = granted & wants
+    j = jnp.arange(max_new_pages, dtype=jnp.int32)
+    takes = granted[:, None] & (j[None, :] < need[:, None])  # [B, max_new]
+    stack_pos = pages.num_free - 1 - offset[:, None] - j[None, :]
+    new_ids = jnp.where(takes, pages.free_stack[jnp.clip(stack_pos, 0, None)], -1)
+    num_slots, max_pages = pages.page_table.shape
+    row = jnp.where(takes, slot_ids[:, None], num_slots)  # out of bounds -> dropped
+    col = jnp.where(takes, held[:, None] + j[None, :], max_pages)
+    page_table = pages.page_table.at[row, col].set(new_ids, mode="drop")
+    refcount = pages.refcount.at[jnp.where(takes, new_ids, pages.num_pages)].set(1, mode="drop")
+    return pages.replace(page_table=page_table, num_free=remaining, refcount=refcount), granted
+
+
+def release(pages: PageState, slot_mask: jax.Array) -> PageState:
+    """Drops the page references of the slots in `slot_mask`; pages reaching 0 become free."""
+    rows = jnp.where(slot_mask[:, None], pages.page_table, -1)
+    n = pages.num_pages
+    dec = jnp.zeros((n,), jnp.int32).at[jnp.where(rows >= 0, rows, n)].add(1, mode="drop")
+    refcount = pages.refcount - dec
+    freed = (dec > 0) & (refcount == 0)
+    rank = jnp.cumsum(freed.astype(jnp.int32)) - 1
+    dest = jnp.where(freed, pages.num_free + rank, n)
+    free_stack = pages.free_stack.at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
+    page_table = jnp.where(slot_mask[:, None], -1, pages.page_table)
+    return pages.replace(
+        page_table=page_table,
+        free_stack=free_stack,
+        num_free=pages.num_free + jnp.sum(freed, dtype=jnp.int32),
+        refcount=refcount,
+    )
+
+
+def entry_pages(page_table_rows: jax.Array, entry_idx: jax.Array,
+                entries_per_page: int) -> tuple[jax.Array, jax.Array]:
+    """Page id and row of entries; -1 page where the entry or its page is absent.
+
+    Args:
+      page_table_rows: i32[B, max_pages_per_seq].
+      entry_idx: i32[B, ...] entry indices (negative = none).
+      entries_per_page: P // m.
+    """
+    max_pages = page_table_rows.shape[-1]
+    col = entry_idx // entries_per_page
+    in_range = (entry_idx >= 0) & (col < max_pages)
+    flat = page_table_rows.reshape(page_table_rows.shape[0], -1)
+    col_flat = jnp.clip(col, 0, max_pages - 1).reshape(entry_idx.shape[0], -1)
+    page = jnp.take_along_axis(flat, col_flat, axis=1).reshape(entry_idx.shape)
+    page = jnp.where(in_range, page, -1)
+    return page, entry_idx % entries_per_page
+
+
+def padded_pages(max_pages: int, chunk_pages: int) -> int:
+    """Page-table length rounded up to whole read chunks (chunk_pages clamped to max_pages)."""
+    chunk_pages = min(chunk_pages, max_pages)
+    return -(-max_pages // chunk_pages) * chunk_pages
+
+
+def fold_page_chunks(page_table_rows: jax.Array, num_entries: jax.Array, entries_per_page: int,
+                     chunk_pages: int, body, init):
+    """Folds `body` over the used pages of each row, `chunk_pages` pages at a time.
+
+    The trip count is a runtime value, ceil(max(num_entries) / entries per chunk), so the cost
+    follows the context actually used, not the page-table capacity.
+
+    Args:
+      page_table_rows: i32[B, max_pages_per_seq].
+      num_entries: i32[B], entries each row needs read (entries past it may be skipped).
+      entries_per_page: P // m of the kind being read.
+      chunk_pages: pages per iteration.
+      body: (carry, page_ids i32[B, chunk_pages], first_entry i32[]) -> carry.
+      init: the initial carry.
+    """
+    batch, max_pages = page_table_rows.shape
+    chunk_pages = min(chunk_pages, max_pages)
+    padded = padded_pages(max_pages, chunk_pages)
+    rows = jnp.pad(page_table_rows, ((0, 0), (0, padded - max_pages)), constant_values=-1)
+    per_chunk = chunk_pages * entries_per_page
+    trips = (jnp.max(num_entries) + per_chunk - 1) // per_chunk
+
+    def step(i, carry):
+        ids = jax.lax.dynamic_slice(rows, (0, i * chunk_pages), (batch, chunk_pages))
+        return body(carry, ids, i * per_chunk)
+
+    return jax.lax.fori_loop(0, trips, step, init)

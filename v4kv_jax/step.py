@@ -1,0 +1,512 @@
+"""Appending tokens to the cache (decode and chunked prefill) and the per-layer attention.
+
+One mechanism serves decode (T = 1) and prefill (any T, any start length, any chunking):
+
+  begin_append   validate lengths, take the pages the new tokens need (all or nothing per slot)
+  append_layers  per layer: window ring writes, compressor tail writes, and every block that
+                 completes is pooled and written into its page and row
+  end_append     advance the lengths
+
+`decode_step` and `prefill` run the three over all layers, given every layer's token vectors
+(jitted, cache donated). A model calls `begin_append`, then `layer_step` per layer (append
+that layer and attend), then `end_append`, since a layer's inputs depend on the layer below.
+A slot that cannot get its pages, or would pass the configured maximum length, appends
+nothing at all and is flagged in `state.status`; other slots are unaffected.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from v4kv_jax import compressor as comp
+from v4kv_jax import paging, rope
+from v4kv_jax.attention import Queries, attend
+from v4kv_jax.compressor import CompressorInput, CompressorParams, CompressorWeights
+from v4kv_jax.config import LayerKind
+from v4kv_jax.pools import Cache, SlotStatus
+
+
+@struct.dataclass
+class TokenVectors:
+    """New-token vectors of every layer, stacked per kind.
+
+    Attributes:
+      window: [n_layers, B, T, hd], the window key/value RoPE_t(RMSNorm(W_kv x_t)).
+      csa: main compressor inputs of CSA layers, [n_csa, B, T, 2 hd] each.
+      csa_index: indexer compressor inputs of CSA layers, [n_csa, B, T, 2 c] each.
+      hca: compressor inputs of HCA layers, [n_hca, B, T, hd] each.
+    """
+
+    window: jax.Array
+    csa: CompressorInput
+    csa_index: CompressorInput
+    hca: CompressorInput
+
+    def compressor(self, name: str) -> CompressorInput:
+        return getattr(self, name)
+
+
+@struct.dataclass
+class LayerVectors:
+    """New-token vectors of ONE layer: window [B, T, hd]; compressor inputs [B, T, w] for CSA
+    (main and index) and HCA (main) layers, None otherwise."""
+
+    window: jax.Array
+    compressor: CompressorInput | None = None
+    index_compressor: CompressorInput | None = None
+
+
+@struct.dataclass
+class LayerParams:
+    """Cache-side params of ONE layer: compressor and index compressor (ape [m, w], norm [w])."""
+
+    compressor: CompressorParams | None = None
+    index_compressor: CompressorParams | None = None
+
+
+@struct.dataclass
+class LayerRef:
+    """Which layer: its kind (static), its global index (window ring) and its index in the
+    stack of its kind. Indices may be traced, e.g. inside a scan over layer groups."""
+
+    layer: jax.Array
+    kind_layer: jax.Array
+    kind: LayerKind = struct.field(pytree_node=False)
+
+    @classmethod
+    def of(cls, cache: Cache, layer: int) -> LayerRef:
+        kind = cache.model.layer_kinds[layer]
+        return cls(jnp.int32(layer), jnp.int32(cache.model.kind_index(layer)), kind)
+
+
+@struct.dataclass
+class AppendPlan:
+    """Who appends how much in one step: slot_ids i32[B], start i32[B] (length before),
+    n_new i32[B] (tokens granted, 0 for a slot that appends nothing)."""
+
+    slot_ids: jax.Array
+    start: jax.Array
+    n_new: jax.Array
+
+    @property
+    def end(self) -> jax.Array:
+        return self.start + self.n_new
+
+    def positions(self, tokens: int) -> jax.Array:
+        """i32[B, T]: the absolute positions of the chunk's tokens (RoPE positions)."""
+        return self.start[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
+
+
+# --- the three phases ------------------------------------------------------------------------
+
+
+def begin_append(cache: Cache, slot_ids: jax.Array, n_new: jax.Array, tokens: int
+                 ) -> tuple[Cache, AppendPlan]:
+    """Takes the pages `n_new` more tokens need in each slot; flags slots that cannot append.
+
+    Args:
+      cache: the cache.
+      slot_ids: i32[B], distinct slots.
+      n_new: i32[B], tokens each slot appends (0 <= n_new <= tokens).
+      tokens: T, the static chunk length.
+    """
+    geo = cache.geometry
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    n_new = jnp.asarray(n_new, jnp.int32)
+    start = cache.state.lengths[slot_ids]
+    status = cache.state.status[slot_ids]
+    wants = (n_new > 0) & (status == SlotStatus.ACTIVE)
+    over = start + n_new > geo.max_seq_len
+    max_new_pages = -(-tokens // geo.page_tokens) + 1
+    pages, granted = paging.allocate(cache.pages, slot_ids, start + n_new, wants & ~over,
+                                     geo.page_tokens, max_new_pages)
+    flag = jnp.where(over, SlotStatus.OVER_CAPACITY, SlotStatus.OUT_OF_PAGES)
+    new_status = jnp.where(wants & ~granted, flag, status)
+    state = cache.state.replace(status=cache.state.status.at[slot_ids].set(new_status))
+    plan = AppendPlan(slot_ids=slot_ids, start=start, n_new=jnp.where(granted, n_new, 0))
+    return cache.replace(pages=pages, state=state), plan
+
+
+def end_append(cache: Cache, plan: AppendPlan) -> Cache:
+    lengths = cache.state.lengths.at[plan.slot_ids].add(plan.n_new)
+    return cache.replace(state=cache.state.replace(lengths=lengths))
+
+
+def _over_layers(fn, sequential: bool, *xs):
+    """Maps fn over a leading layer axis: vectorised for small chunks, one layer at a time for
+    large ones (bounded memory)."""
+    if sequential:
+        return jax.lax.map(lambda args: fn(*args), xs)
+    return jax.vmap(fn)(*xs)
+
+
+def _write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
+                  ) -> Cache:
+    """window: [n, B, T, hd] for global layers `layers` i32[n]."""
+    W = cache.model.window
+    tokens = window.shape[2]
+    j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    n = plan.n_new[:, None]
+    keep = (j < n) & (j >= n - W)  # each ring row written at most once
+    row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
+    ring = cache.state.window.at[layers[:, None, None], plan.slot_ids[None, :, None],
+                                 row[None]].set(window.astype(cache.state.window.dtype),
+                                                mode="drop")
+    return cache.replace(state=cache.state.replace(window=ring))
+
+
+def _append_compressor(cache: Cache, plan: AppendPlan, spec: comp.CompressorSpec,
+                       layers: jax.Array, inputs: CompressorInput, params: CompressorParams
+                       ) -> Cache:
+    """Tail writes and entry emission of one compressor for the layers `layers` (kind stack
+    indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width]."""
+    model, geo = cache.model, cache.geometry
+    tokens = inputs.kv.shape[2]
+    positions = plan.positions(tokens)
+    kv = inputs.kv.astype(jnp.float32)
+    gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
+                                                                              params.ape)
+    tail = cache.state.tail(spec.name)
+    block, done = comp.completed_blocks(spec, plan.start, plan.n_new, tokens)
+
+    def emit():
+        old_kv = tail.kv[layers[:, None], plan.slot_ids[None, :]].astype(jnp.float32)
+        old_gate = tail.gate[layers[:, None], plan.slot_ids[None, :]].astype(jnp.float32)
+        inv_freq = rope.inv_frequencies(model, spec.kind)
+
+        def one_layer(tkv, tgate, ckv, cgate, norm):
+            return comp.pool_blocks(spec, model, tkv, tgate, ckv, cgate, plan.start, block,
+                                    norm, inv_freq)
+
+        return _over_layers(one_layer, tokens > spec.ratio, old_kv, old_gate, kv, gate,
+                            params.norm)
+
+    entries = jax.lax.cond(
+        jnp.any(done), emit,
+        lambda: jnp.zeros((layers.shape[0], *block.shape, spec.width), jnp.float32))
+    rows = cache.pages.page_table[plan.slot_ids]
+    page, row = paging.entry_pages(rows, jnp.where(done, block, -1),
+                                   geo.entries_per_page(spec.ratio))
+    pool = cache.classical.entries(spec.name)
+    page = jnp.where(page >= 0, page, pool.shape[1])  # absent -> out of bounds -> dropped
+    pool = pool.at[layers[:, None, None], page[None], row[None]].set(
+        entries.astype(pool.dtype), mode="drop")
+
+    ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
+    idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
+    new_tail = tail.replace(
+        kv=tail.kv.at[idx].set(kv.astype(tail.kv.dtype), mode="drop"),
+        gate=tail.gate.at[idx].set(gate.astype(tail.gate.dtype), mode="drop"),
+    )
+    return cache.replace(
+        classical=cache.classical.with_entries(spec.name, pool),
+        state=cache.state.replace(**{spec.name: new_tail}),
+    )
+
+
+def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
+                  weights: CompressorWeights) -> Cache:
+    """Appends the planned tokens to every layer."""
+    model = cache.model
+    cache = _write_window(cache, plan, jnp.arange(model.num_layers, dtype=jnp.int32),
+                          vectors.window)
+    for spec in cache.specs:
+        n = len(model.layers_of(spec.kind))
+        if n:
+            cache = _append_compressor(cache, plan, spec, jnp.arange(n, dtype=jnp.int32),
+                                       vectors.compressor(spec.name),
+                                       getattr(weights, spec.name))
+    return cache
+
+
+# --- attention --------------------------------------------------------------------------------
+
+
+def _ordered_ring(ring: jax.Array, length: jax.Array) -> jax.Array:
+    """[B, W, hd] ring -> keys ordered by position: key e is position length - W + e."""
+    W = ring.shape[1]
+    e = jnp.arange(W, dtype=jnp.int32)[None, :]
+    rows = (length[:, None] - W + e) % W
+    return jnp.take_along_axis(ring, rows[..., None], axis=1)
+
+
+def _attend_layer(cache: Cache, ref: LayerRef, page_rows, queries: Queries, q_pos, kv_end,
+                  window_keys, window_base):
+    kind = ref.kind
+    entries = index_keys = None
+    if kind == LayerKind.CSA:
+        entries, index_keys = cache.classical.c4, cache.classical.index_keys
+    elif kind == LayerKind.HCA:
+        entries = cache.classical.c128
+    return attend(cache.model, cache.geometry, kind, ref.kind_layer, entries, index_keys,
+                  page_rows, queries, q_pos, kv_end, window_keys, window_base)
+
+
+def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVectors,
+               queries: Queries, params: LayerParams) -> tuple[Cache, jax.Array]:
+    """Appends one layer's chunk and computes its attention for the chunk's queries.
+
+    Args:
+      cache: after `begin_append`.
+      plan: from `begin_append`.
+      ref: the layer.
+      vectors: the layer's new-token vectors [B, T, ...].
+      queries: the layer's queries for the same T tokens.
+      params: the layer's compressor params.
+
+    Returns:
+      (cache, f32[B, T, H, hd]) the de-rotated attention output (rows of tokens past a slot's
+      n_new are padding).
+    """
+    model, geo = cache.model, cache.geometry
+    tokens = vectors.window.shape[1]
+    W = model.window
+    old_ring = cache.state.window[ref.layer, plan.slot_ids]
+    cache = _write_window(cache, plan, ref.layer[None], vectors.window[None])
+    kind_layers = ref.kind_layer[None]
+    if ref.kind == LayerKind.CSA:
+        specs = {s.name: s for s in cache.specs}
+        for name, inp, p in (("csa", vectors.compressor, params.compressor),
+                             ("csa_index", vectors.index_compressor, params.index_compressor)):
+            cache = _append_compressor(
+                cache, plan, specs[name], kind_layers, jax.tree.map(lambda x: x[None], inp),
+                jax.tree.map(lambda x: x[None], p))
+    elif ref.kind == LayerKind.HCA:
+        spec = next(s for s in cache.specs if s.name == "hca")
+        cache = _append_compressor(
+            cache, plan, spec, kind_layers, jax.tree.map(lambda x: x[None], vectors.compressor),
+            jax.tree.map(lambda x: x[None], params.compressor))
+
+    page_rows = cache.pages.page_table[plan.slot_ids]
+    extended = jnp.concatenate(
+        [_ordered_ring(old_ring, plan.start), vectors.window.astype(old_ring.dtype)], axis=1)
+    q_pos = plan.positions(tokens)
+    tile = min(geo.query_tile, tokens)
+    n_tiles = -(-tokens // tile)
+    if n_tiles == 1:
+        out = _attend_layer(cache, ref, page_rows, queries, q_pos, plan.end, extended,
+                            plan.start - W)
+        return cache, out
+
+    pad = n_tiles * tile - tokens
+    extended = jnp.pad(extended, ((0, 0), (0, pad), (0, 0)))
+    tiled_q = jax.tree.map(
+        lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+            x.shape[0], n_tiles, tile, *x.shape[2:]).swapaxes(0, 1),
+        queries.replace(sink=None))
+    q_pos_t = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge").reshape(
+        -1, n_tiles, tile).swapaxes(0, 1)
+
+    def one_tile(args):
+        i, q_tile, pos_tile = args
+        keys = jax.lax.dynamic_slice_in_dim(extended, i * tile, W + tile, axis=1)
+        return _attend_layer(cache, ref, page_rows, q_tile.replace(sink=queries.sink),
+                             pos_tile, plan.end, keys, plan.start - W + i * tile)
+
+    out = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
+    out = out.swapaxes(0, 1).reshape(out.shape[1], n_tiles * tile, *out.shape[3:])
+    return cache, out[:, :tokens]
+
+
+def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array
+                     ) -> jax.Array:
+    """Attention of each slot's LAST token, reading the cache after its append.
+
+    Args:
+      queries: `Queries` with T = 1.
+      slot_ids: i32[B].
+
+    Returns:
+      f32[B, 1, H, hd].
+    """
+    length = cache.state.lengths[slot_ids]
+    ring = cache.state.window[ref.layer, slot_ids]
+    page_rows = cache.pages.page_table[slot_ids]
+    return _attend_layer(cache, ref, page_rows, queries, (length - 1)[:, None], length,
+                         _ordered_ring(ring, length), length - cache.model.window)
+
+
+def append_and_attend(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
+                      queries: Queries, weights: CompressorWeights
+                      ) -> tuple[Cache, jax.Array]:
+    """`layer_step` over every layer, for callers that have all layers' vectors up front
+    (benchmarks, the demo, tests). Layers of a kind run in a `lax.scan`, so the program size
+    does not grow with the number of layers.
+
+    Args:
+      cache, plan: from `begin_append`.
+      vectors: `TokenVectors` [.., B, T, ..].
+      queries: `Queries` stacked over layers: q [n_layers, B, T, H, hd], sink [n_layers, H],
+        index_q [n_csa, B, T, nI, c], index_weights [n_csa, B, T, nI].
+      weights: compressor params of every layer.
+
+    Returns:
+      (cache, f32[n_layers, B, T, H, hd]).
+    """
+    model = cache.model
+    out = None
+    for kind in LayerKind:
+        layers = model.layers_of(kind)
+        if not layers:
+            continue
+        glob = jnp.asarray(layers, jnp.int32)
+        xs = {
+            "ref": LayerRef(glob, jnp.arange(len(layers), dtype=jnp.int32), kind),
+            "window": vectors.window[glob],
+            "q": queries.q[glob],
+            "sink": queries.sink[glob],
+        }
+        if kind == LayerKind.CSA:
+            xs.update(main=vectors.csa, index=vectors.csa_index, main_p=weights.csa,
+                      index_p=weights.csa_index, index_q=queries.index_q,
+                      index_weights=queries.index_weights)
+        elif kind == LayerKind.HCA:
+            xs.update(main=vectors.hca, main_p=weights.hca)
+
+        def body(cache, x):
+            layer_vectors = LayerVectors(x["window"], x.get("main"), x.get("index"))
+            params = LayerParams(x.get("main_p"), x.get("index_p"))
+            q = Queries(q=x["q"], sink=x["sink"], index_q=x.get("index_q"),
+                        index_weights=x.get("index_weights"))
+            return layer_step(cache, plan, x["ref"], layer_vectors, q, params)
+
+        cache, o = jax.lax.scan(body, cache, xs)
+        if out is None:
+            out = jnp.zeros((model.num_layers, *o.shape[1:]), o.dtype)
+        out = out.at[glob].set(o)
+    return cache, out
+
+
+# --- jitted entry points ---------------------------------------------------------------------
+
+
+def _expected_vector_shapes(cache: Cache, batch: int, tokens: int) -> dict[str, tuple]:
+    model = cache.model
+    shapes = {"window": (model.num_layers, batch, tokens, model.head_dim)}
+    for spec in cache.specs:
+        n = len(model.layers_of(spec.kind))
+        shapes[spec.name] = (n, batch, tokens, spec.in_width)
+    return shapes
+
+
+def check_vectors(cache: Cache, vectors: TokenVectors, batch: int, tokens: int) -> None:
+    """Raises ValueError naming the field whose shape or dtype does not match the config."""
+    shapes = _expected_vector_shapes(cache, batch, tokens)
+    fields = {"window": vectors.window}
+    for spec in cache.specs:
+        inp = vectors.compressor(spec.name)
+        fields[f"{spec.name}.kv"] = inp.kv
+        fields[f"{spec.name}.gate"] = inp.gate
+    for name, x in fields.items():
+        expected = shapes[name.split(".")[0]]
+        if tuple(x.shape) != expected:
+            raise ValueError(f"vectors.{name} has shape {tuple(x.shape)}; expected {expected}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"vectors.{name} has dtype {x.dtype}; expected a float dtype")
+
+
+def _check_slots(cache: Cache, slot_ids, n_new=None, tokens: int | None = None) -> None:
+    """Value checks, run only when the arguments are concrete (not inside a caller's jit)."""
+    if isinstance(slot_ids, jax.core.Tracer) or isinstance(n_new, jax.core.Tracer):
+        return
+    ids = np.asarray(slot_ids)
+    S = cache.geometry.max_slots
+    if ids.ndim != 1:
+        raise ValueError(f"slot_ids must be 1-D; got shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= S):
+        raise ValueError(f"slot_ids={ids.tolist()} must lie in [0, max_slots={S})")
+    if len(set(ids.tolist())) != ids.size:
+        raise ValueError(f"slot_ids={ids.tolist()} must be distinct")
+    if n_new is not None:
+        n = np.asarray(n_new)
+        if n.shape != ids.shape:
+            raise ValueError(f"n_new has shape {n.shape}; expected {ids.shape} (one per slot)")
+        if n.size and (n.min() < 0 or n.max() > tokens):
+            raise ValueError(f"n_new={n.tolist()} must lie in [0, tokens={tokens}]")
+
+
+def _append_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
+                slot_ids: jax.Array, n_new: jax.Array) -> Cache:
+    cache, plan = begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
+    cache = append_layers(cache, plan, vectors, weights)
+    return end_append(cache, plan)
+
+
+_append_all_jit = jax.jit(_append_all, donate_argnums=0)
+
+
+def _append_attend_all(cache: Cache, vectors: TokenVectors, queries: Queries,
+                       weights: CompressorWeights, slot_ids: jax.Array, n_new: jax.Array):
+    cache, plan = begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
+    cache, out = append_and_attend(cache, plan, vectors, queries, weights)
+    return end_append(cache, plan), out
+
+
+_append_attend_all_jit = jax.jit(_append_attend_all, donate_argnums=0)
+
+
+def forward(cache: Cache, vectors: TokenVectors, queries: Queries, weights: CompressorWeights,
+            slot_ids, n_new) -> tuple[Cache, jax.Array]:
+    """Prefill (or decode, T = 1) with attention in every layer; jitted, cache donated.
+
+    Args as `prefill`, plus `queries` stacked over layers (see `append_and_attend`).
+
+    Returns:
+      (cache, f32[n_layers, B, T, H, hd]) attention outputs before the output projection.
+    """
+    tokens = vectors.window.shape[2]
+    check_vectors(cache, vectors, len(slot_ids), tokens)
+    _check_slots(cache, slot_ids, n_new, tokens)
+    return _append_attend_all_jit(cache, vectors, queries, weights,
+                                  jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32))
+
+
+def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
+            slot_ids, n_new) -> Cache:
+    """Appends up to T tokens to each of B slots, from any starting length.
+
+    Leaves exactly the state that feeding the same tokens one by one through `decode_step`
+    leaves. The input cache is donated.
+
+    Args:
+      cache: the cache (donated).
+      vectors: `TokenVectors` with [.., B, T, ..] arrays.
+      weights: compressor params of every layer.
+      slot_ids: i32[B] distinct slots.
+      n_new: i32[B] tokens of each row to append (the rest of the row is padding).
+    """
+    tokens = vectors.window.shape[2]
+    check_vectors(cache, vectors, len(slot_ids), tokens)
+    _check_slots(cache, slot_ids, n_new, tokens)
+    return _append_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
+                           jnp.asarray(n_new, jnp.int32))
+
+
+def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
+                active=None) -> Cache:
+    """Appends one token to every active slot (a batch over all `max_slots` slots).
+
+    Args:
+      cache: the cache (donated).
+      vectors: `TokenVectors` with [.., max_slots, 1, ..] arrays.
+      weights: compressor params of every layer.
+      active: bool[max_slots]; default: every slot whose status is ACTIVE.
+    """
+    S = cache.geometry.max_slots
+    check_vectors(cache, vectors, S, 1)
+    if active is None:
+        active = cache.state.status == SlotStatus.ACTIVE
+    elif not isinstance(active, jax.core.Tracer) and np.shape(active) != (S,):
+        raise ValueError(f"active has shape {np.shape(active)}; expected ({S},)")
+    return _append_all_jit(cache, vectors, weights, jnp.arange(S, dtype=jnp.int32),
+                           jnp.asarray(active, jnp.int32))
+
+
+__all__ = [
+    "AppendPlan", "LayerParams", "LayerRef", "LayerVectors", "TokenVectors",
+    "append_and_attend", "append_layers", "begin_append", "check_vectors", "decode_attention",
+    "decode_step", "end_append", "forward", "layer_step", "prefill",
+]

@@ -1,0 +1,198 @@
+"""Random per-token vectors and queries for a batch of sequences (demo, tests, benchmarks).
+
+The cache API takes each layer's per-token vectors, not hidden states; this module draws
+them at random for whole sequences, then serves any slice of positions as `TokenVectors`
+(cache input), `Queries` (attention input) or `oracle.LayerHistory` (brute-force input).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v4kv_jax import oracle
+from v4kv_jax.attention import Queries
+from v4kv_jax.compressor import CompressorInput, CompressorWeights, compressor_specs
+from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
+from v4kv_jax.pools import Cache, ClassicalPool, SlotStatus, init_cache
+from v4kv_jax.step import TokenVectors
+
+
+@dataclasses.dataclass
+class SyntheticBatch:
+    """Per-token vectors of B sequences of up to T tokens (numpy float32).
+
+    Attributes:
+      window: [n_layers, B, T, hd].
+      compressors: name -> (kv, gate), each [n_kind, B, T, in_width].
+      q: [n_layers, B, T, H, hd]; sinks: [n_layers, H].
+      index_q: [n_csa, B, T, nI, c]; index_weights: [n_csa, B, T, nI].
+      weights: compressor params of every layer.
+    """
+
+    config: AttentionConfig
+    window: np.ndarray
+    compressors: dict[str, tuple[np.ndarray, np.ndarray]]
+    q: np.ndarray
+    sinks: np.ndarray
+    index_q: np.ndarray
+    index_weights: np.ndarray
+    weights: CompressorWeights
+
+    @classmethod
+    def draw(cls, config: AttentionConfig, batch: int, tokens: int, seed: int = 0
+             ) -> SyntheticBatch:
+        rng = np.random.default_rng(seed)
+
+        def normal(*shape, scale=1.0):
+            return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+        L, B, T = config.num_layers, batch, tokens
+        compressors = {}
+        for spec in compressor_specs(config):
+            n = len(config.layers_of(spec.kind))
+            compressors[spec.name] = (normal(n, B, T, spec.in_width),
+                                      normal(n, B, T, spec.in_width))
+        return cls(
+            config=config,
+            window=normal(L, B, T, config.head_dim),
+            compressors=compressors,
+            q=normal(L, B, T, config.num_heads, config.head_dim),
+            sinks=normal(L, config.num_heads),
+            index_q=normal(config.num_csa, B, T, config.index_heads, config.index_head_dim),
+            index_weights=normal(config.num_csa, B, T, config.index_heads),
+            weights=CompressorWeights.init(config, jax.random.PRNGKey(seed)),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.window.shape[1]
+
+    def _index(self, positions, rows):
+        rows = np.arange(self.batch) if rows is None else np.asarray(rows)
+        pos = np.clip(np.asarray(positions), 0, self.window.shape[2] - 1)
+        if pos.ndim == 1:  # one token per row
+            pos = pos[:, None]
+        return rows[:, None], pos
+
+    def take(self, positions, rows=None) -> TokenVectors:
+        """Cache input at positions i32[B', T] (or [B'], one token) of rows `rows` (default
+        all). Positions past the end repeat the last token: use them as padding only."""
+        r, pos = self._index(positions, rows)
+
+        def cut(x):
+            return jnp.asarray(x[:, r, pos])
+
+        return TokenVectors(
+            window=cut(self.window),
+            **{name: CompressorInput(cut(kv), cut(gate))
+               for name, (kv, gate) in self.compressors.items()},
+        )
+
+    def span(self, start: int, stop: int) -> TokenVectors:
+        """Cache input for positions [start, stop) of every row."""
+        return self.take(np.broadcast_to(np.arange(start, stop), (self.batch, stop - start)))
+
+    def queries(self, layer: int, positions, rows=None) -> Queries:
+        """Queries of one layer at positions i32[B', T] of the rows `rows` (default all)."""
+        r, pos = self._index(positions, rows)
+        fields = dict(q=jnp.asarray(self.q[layer][r, pos]), sink=jnp.asarray(self.sinks[layer]))
+        if self.config.layer_kinds[layer] == LayerKind.CSA:
+            k = self.config.kind_index(layer)
+            fields.update(index_q=jnp.asarray(self.index_q[k][r, pos]),
+                          index_weights=jnp.asarray(self.index_weights[k][r, pos]))
+        return Queries(**fields)
+
+    def stacked_queries(self, positions, rows=None) -> Queries:
+        """Queries of every layer at positions i32[B', T], stacked as `step.forward` takes."""
+        r, pos = self._index(positions, rows)
+        return Queries(
+            q=jnp.asarray(self.q[:, r, pos]),
+            sink=jnp.asarray(self.sinks),
+            index_q=jnp.asarray(self.index_q[:, r, pos]),
+            index_weights=jnp.asarray(self.index_weights[:, r, pos]),
+        )
+
+    def history(self, layer: int, row: int) -> oracle.LayerHistory:
+        """The oracle's view of one layer of one sequence."""
+        config = self.config
+        kind = config.layer_kinds[layer]
+        h = oracle.LayerHistory(window=self.window[layer, row], q=self.q[layer, row],
+                                sink=self.sinks[layer])
+        if kind == LayerKind.SWA:
+            return h
+        k = config.kind_index(layer)
+        main = "csa" if kind == LayerKind.CSA else "hca"
+        params = getattr(self.weights, main)
+        h.kv, h.gate = (x[k, row] for x in self.compressors[main])
+        h.ape, h.norm = np.asarray(params.ape[k]), np.asarray(params.norm[k])
+        if kind == LayerKind.CSA:
+            h.index_kv, h.index_gate = (x[k, row] for x in self.compressors["csa_index"])
+            h.index_ape = np.asarray(self.weights.csa_index.ape[k])
+            h.index_norm = np.asarray(self.weights.csa_index.norm[k])
+            h.index_q, h.index_weights = self.index_q[k, row], self.index_weights[k, row]
+        return h
+
+
+def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: int = 0,
+                 fill_unused: float = 0.0) -> Cache:
+    """A cache whose slots 0..len(lengths)-1 hold `lengths` tokens of random content.
+
+    Page tables, lengths, refcounts and the free stack are exactly what appending that many
+    tokens leaves (slot b takes its pages after slot b-1); entries, windows and tails are
+    random normal. Pages nobody holds are filled with `fill_unused` (NaN exposes stray reads).
+    Meant for benchmarks and kernel tests at long contexts, where really appending would
+    take minutes.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    P = geometry.page_tokens
+    need = -(-lengths // P)
+    if need.sum() > geometry.num_pages:
+        raise ValueError(f"lengths={lengths.tolist()} need {int(need.sum())} pages; "
+                         f"num_pages={geometry.num_pages}")
+    if lengths.max(initial=0) > geometry.max_seq_len:
+        raise ValueError(f"lengths={lengths.tolist()} exceed max_seq_len={geometry.max_seq_len}")
+    cache = init_cache(model, geometry)
+    table = np.full((geometry.max_slots, geometry.max_pages_per_seq), -1, np.int32)
+    first = np.concatenate([[0], np.cumsum(need)[:-1]]).astype(np.int32)
+    for b, n in enumerate(need):
+        table[b, :n] = first[b] + np.arange(n)
+    used = int(need.sum())
+    refcount = np.zeros(geometry.num_pages, np.int32)
+    refcount[:used] = 1
+    free = np.arange(geometry.num_pages - 1, used - 1, -1, dtype=np.int32)
+    free_stack = np.concatenate([free, np.zeros(used, np.int32)])
+
+    key = jax.random.PRNGKey(seed)
+    page_used = jnp.arange(geometry.num_pages) < used
+
+    def draw(x, salt):
+        k = jax.random.fold_in(key, salt)
+        values = jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
+        return values
+
+    def draw_entries(x, salt):
+        values = draw(x, salt)
+        mask = page_used.reshape(1, -1, *([1] * (x.ndim - 2)))
+        return jnp.where(mask, values, jnp.asarray(fill_unused, x.dtype))
+
+    classical = jax.tree.map(draw_entries, cache.classical, ClassicalPool(1, 2, 3))
+    status = np.zeros(geometry.max_slots, np.int32)
+    status[: len(lengths)] = SlotStatus.ACTIVE
+    all_lengths = np.zeros(geometry.max_slots, np.int32)
+    all_lengths[: len(lengths)] = lengths
+    state = cache.state.replace(
+        lengths=jnp.asarray(all_lengths),
+        status=jnp.asarray(status),
+        window=draw(cache.state.window, 4),
+        **{s.name: jax.tree.map(lambda x, i=i: draw(x, 10 + i), cache.state.tail(s.name))
+           for i, s in enumerate(cache.specs)},
+    )
+    pages = cache.pages.replace(
+        page_table=jnp.asarray(table), free_stack=jnp.asarray(free_stack),
+        num_free=jnp.asarray(geometry.num_pages - used, jnp.int32),
+        refcount=jnp.asarray(refcount))
+    return cache.replace(classical=classical, state=state, pages=pages)
