@@ -1,0 +1,86 @@
+"""Shared configs and drivers for the tests.
+
+The tests reuse a few fixed geometries and chunk shapes so that each jitted function compiles
+once per test session; the chunking itself varies through `n_new`, never through shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import v4kv_jax as v4
+from v4kv_jax import step, synthetic
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# Enough indexer heads that exact-zero (ReLU) score ties are practically absent.
+MODEL = v4.tiny(index_heads=16)
+GEOMETRY = v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6, query_tile=16)
+CHUNK = 32  # the one prefill chunk shape used by the tests
+
+
+def hypothesis_examples(default: int) -> int:
+    return int(os.environ.get("V4KV_HYPOTHESIS_EXAMPLES", default))
+
+
+def new_cache(model=MODEL, geometry=GEOMETRY, slots=None):
+    cache = v4.init_cache(model, geometry)
+    for s in range(geometry.max_slots) if slots is None else slots:
+        cache = v4.reset_slot(cache, s)
+    return cache
+
+
+def run_chunks(cache, data: synthetic.SyntheticBatch, plan, rows=None, slot_ids=None,
+               chunk=CHUNK, with_attention=True):
+    """Feeds `data` rows into slots following `plan`, a list of per-row token counts per call.
+
+    plan[i][b] tokens of row b go in call i (0 <= plan[i][b] <= chunk). Returns the cache and
+    the attention outputs gathered per row, f32[n_layers, B, L, H, hd] (L = data length).
+    """
+    rows = np.arange(data.batch) if rows is None else np.asarray(rows)
+    slot_ids = np.arange(len(rows)) if slot_ids is None else np.asarray(slot_ids)
+    model = data.config
+    total = data.window.shape[2]
+    out = np.zeros((model.num_layers, len(rows), total, model.num_heads, model.head_dim),
+                   np.float32)
+    done = np.zeros(len(rows), np.int64)
+    for counts in plan:
+        counts = np.asarray(counts)
+        vectors = data.take(positions(done, chunk), rows)
+        if with_attention:
+            queries = data.stacked_queries(positions(done, chunk), rows)
+            cache, o = step.forward(cache, vectors, queries, data.weights, slot_ids, counts)
+            o = np.asarray(o)
+            for b in range(len(rows)):
+                out[:, b, done[b]:done[b] + counts[b]] = o[:, b, :counts[b]]
+        else:
+            cache = step.prefill(cache, vectors, data.weights, slot_ids, counts)
+        done += counts
+    return cache, out
+
+
+def positions(starts, chunk):
+    """i32[B, chunk]: the positions of a chunk starting at each row's `starts`."""
+    return np.asarray(starts)[:, None] + np.arange(chunk)[None, :]
+
+
+def chunk_plan(lengths, sizes):
+    """Calls that feed each row `lengths[b]` tokens in pieces of sizes[i % len(sizes)]."""
+    lengths = np.asarray(lengths)
+    done = np.zeros_like(lengths)
+    plan, i = [], 0
+    while (done < lengths).any():
+        n = np.minimum(sizes[i % len(sizes)], lengths - done)
+        plan.append(n)
+        done += n
+        i += 1
+    return plan
+
+
+@pytest.fixture(scope="session")
+def model():
+    return MODEL

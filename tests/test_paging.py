@@ -1,0 +1,76 @@
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from v4kv_jax import paging
+
+from conftest import hypothesis_examples
+
+
+def _invariants(pages: paging.PageState):
+    table = np.asarray(pages.page_table)
+    free = np.asarray(pages.free_stack)[: int(pages.num_free)]
+    refcount = np.asarray(pages.refcount)
+    held = table[table >= 0]
+    assert len(set(held.tolist())) == len(held), "a page is held twice"
+    assert not set(held.tolist()) & set(free.tolist()), "a held page is on the free stack"
+    assert len(held) + len(free) == pages.num_pages
+    assert (refcount[held] == 1).all() and (refcount[free] == 0).all()
+    for row in table:  # held pages form a prefix of the row
+        n = int((row >= 0).sum())
+        assert (row[:n] >= 0).all()
+
+
+@settings(max_examples=hypothesis_examples(30), deadline=None)
+@given(st.lists(st.lists(st.integers(0, 300), min_size=3, max_size=3), min_size=1, max_size=6),
+       st.lists(st.booleans(), min_size=6, max_size=6))
+def test_allocate_release_keep_the_pool_consistent(steps, releases):
+    pages = paging.PageState.create(num_pages=9, max_slots=3, max_pages_per_seq=4)
+    lengths = np.zeros(3, np.int64)
+    for i, adds in enumerate(steps):
+        new = lengths + np.asarray(adds)
+        wants = (np.asarray(adds) > 0) & (new <= 4 * 128)
+        before = int(pages.num_free)
+        pages, granted = paging.allocate(pages, jnp.arange(3), jnp.asarray(new, jnp.int32),
+                                         jnp.asarray(wants), 128, 4)
+        granted = np.asarray(granted)
+        need = -(-new // 128) - -(-lengths // 128)
+        assert int(pages.num_free) == before - int(need[granted].sum())
+        lengths = np.where(granted, new, lengths)
+        assert (np.asarray(paging.held_pages(pages.page_table)) == -(-lengths // 128)).all()
+        _invariants(pages)
+        if releases[i]:
+            pages = paging.release(pages, jnp.asarray([True, False, False]))
+            lengths[0] = 0
+            _invariants(pages)
+
+
+def test_greedy_grant_skips_a_slot_that_does_not_fit():
+    pages = paging.PageState.create(num_pages=3, max_slots=3, max_pages_per_seq=4)
+    pages, granted = paging.allocate(pages, jnp.arange(3), jnp.asarray([300, 256, 100]),
+                                     jnp.asarray([True, True, True]), 128, 4)
+    # Slot 0 takes 3 pages; slot 1 (2 pages) and slot 2 (1 page) find none left.
+    assert np.asarray(granted).tolist() == [True, False, False]
+    assert np.asarray(pages.page_table[0]).tolist() == [0, 1, 2, -1]
+    assert (np.asarray(pages.page_table[1:]) == -1).all()
+
+
+def test_shared_page_is_freed_only_by_its_last_holder():
+    pages = paging.PageState.create(num_pages=4, max_slots=2, max_pages_per_seq=2)
+    pages, _ = paging.allocate(pages, jnp.arange(1), jnp.asarray([128]), jnp.asarray([True]),
+                               128, 2)
+    shared = pages.replace(page_table=pages.page_table.at[1, 0].set(0),
+                           refcount=pages.refcount.at[0].set(2))
+    one = paging.release(shared, jnp.asarray([True, False]))
+    assert int(one.refcount[0]) == 1 and int(one.num_free) == 3
+    both = paging.release(one, jnp.asarray([False, True]))
+    assert int(both.refcount[0]) == 0 and int(both.num_free) == 4
+    assert sorted(np.asarray(both.free_stack).tolist()) == [0, 1, 2, 3]
+
+
+def test_entry_pages_maps_entries_to_page_and_row():
+    rows = jnp.asarray([[7, 3, -1]])
+    page, row = paging.entry_pages(rows, jnp.asarray([[0, 31, 32, 63, 64, -1, 200]]), 32)
+    assert np.asarray(page).tolist() == [[7, 7, 3, 3, -1, -1, -1]]
+    assert np.asarray(row)[0, :5].tolist() == [0, 31, 0, 31, 0]

@@ -1,0 +1,324 @@
+"""decode_step / prefill / layer attention: block edges, streaming equivalences, the oracle."""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import v4kv_jax as v4
+from v4kv_jax import attention, oracle, paging, rope, step, synthetic
+from v4kv_jax.config import LayerKind
+
+from conftest import (
+    CHUNK,
+    GEOMETRY,
+    MODEL,
+    chunk_plan,
+    hypothesis_examples,
+    new_cache,
+    run_chunks,
+)
+
+# The SPEC's own numbers: W = 128, m = 4, m' = 128.
+SPEC_MODEL = v4.tiny(window=128, hca_ratio=128, compress_ratios=(0, 4, 128), index_topk=64)
+SPEC_GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4)
+
+
+def logical_entries(cache, name: str, kind_layer: int, slot: int, count: int) -> np.ndarray:
+    """Entries 0..count-1 of a slot, read through its page-table row."""
+    spec = next(s for s in cache.specs if s.name == name)
+    epp = cache.geometry.entries_per_page(spec.ratio)
+    table = np.asarray(cache.pages.page_table[slot])
+    pool = np.asarray(cache.classical.entries(name)[kind_layer])
+    i = np.arange(count)
+    return pool[table[i // epp], i % epp]
+
+
+@pytest.fixture(scope="module")
+def spec_example():
+    data = synthetic.SyntheticBatch.draw(SPEC_MODEL, 1, 140, seed=3)
+    cache = new_cache(SPEC_MODEL, SPEC_GEOMETRY)
+    cache, _ = run_chunks(cache, data, chunk_plan([130], [CHUNK]), with_attention=False)
+    return data, cache
+
+
+def test_l130_worked_example(spec_example):
+    data, cache = spec_example
+    (rep,) = v4.inspect_slots(cache)
+    assert rep.length == 130
+    assert (rep.c4_entries, rep.c128_entries) == (32, 1)
+    assert (rep.csa_tail, rep.hca_tail) == (2, 2)
+    assert rep.window == (2, 129)
+    assert rep.pages == (0, 1)
+    inv = rope.inv_frequencies(SPEC_MODEL, LayerKind.CSA)
+    h = data.history(1, 0)
+    for name, kv, gate, ape, norm in (("csa", h.kv, h.gate, h.ape, h.norm),
+                                      ("csa_index", h.index_kv, h.index_gate, h.index_ape,
+                                       h.index_norm)):
+        want = oracle.compress(kv, gate, ape, norm, 4, True, inv, 1e-6, 130)
+        assert want.shape[0] == 32
+        got = logical_entries(cache, name, 0, 0, 33)
+        np.testing.assert_allclose(got[:32], want, atol=2e-5)
+        assert not got[32].any(), "entry 32 (block 128..131) must not exist yet"
+    h = data.history(2, 0)
+    want = oracle.compress(h.kv, h.gate, h.ape, h.norm, 128, False, inv, 1e-6, 130)
+    np.testing.assert_allclose(logical_entries(cache, "hca", 0, 0, 1), want, atol=2e-5)
+    # The window ring holds positions 2..129, each at row p % 128.
+    ring = np.asarray(cache.state.window[:, 0])
+    for p in range(2, 130):
+        np.testing.assert_array_equal(ring[:, p % 128], data.window[:, 0, p])
+    # CSA tail: first halves of 124..127 and the open block 128, 129 at rows p % 8.
+    tail = np.asarray(cache.state.csa.kv[0, 0])
+    for p in range(124, 130):
+        np.testing.assert_array_equal(tail[p % 8], data.compressors["csa"][0][0, 0, p])
+    hca_tail = np.asarray(cache.state.hca.kv[0, 0])
+    for p in (128, 129):
+        np.testing.assert_array_equal(hca_tail[p % 128], data.compressors["hca"][0][0, 0, p])
+
+
+def test_token_131_completes_entry_32_at_rope_position_128(spec_example):
+    data, cache = spec_example
+    cache = jax.tree.map(jnp.copy, cache)
+    for p in (130, 131):
+        cache = step.prefill(cache, data.span(p, p + 1), data.weights, [0], [1])
+        got = logical_entries(cache, "csa", 0, 0, 33)[32]
+        assert got.any() == (p == 131), f"entry 32 after position {p}"
+    h = data.history(1, 0)
+    inv = rope.inv_frequencies(SPEC_MODEL, LayerKind.CSA)
+    want = oracle.compress(h.kv, h.gate, h.ape, h.norm, 4, True, inv, 1e-6, 132)[32]
+    np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_visibility_at_block_edges(spec_example):
+    data, cache = spec_example
+    q_pos = jnp.asarray([[2, 3, 126, 127]])
+    queries = data.queries(1, np.asarray(q_pos))
+    picks = attention.select_topk(SPEC_MODEL, SPEC_GEOMETRY, cache.classical.index_keys, 0,
+                                  cache.pages.page_table[:1], queries, q_pos,
+                                  jnp.asarray([130]))
+    sets = [sorted(int(i) for i in row if i >= 0) for row in np.asarray(picks)[0]]
+    assert sets == [[], [0], list(range(31)), list(range(32))]
+    # HCA: t = 126 sees no C128 entry, t = 127 sees entry 0.
+    hca_q = data.queries(2, np.asarray(q_pos)).replace(sink=jnp.asarray(data.sinks[2]))
+    ring = cache.state.window[2, :1]
+
+    def out(c128):
+        return np.asarray(attention.attend(
+            SPEC_MODEL, SPEC_GEOMETRY, LayerKind.HCA, 0, c128, None,
+            cache.pages.page_table[:1], hca_q, q_pos, jnp.asarray([130]),
+            step._ordered_ring(ring, jnp.asarray([130])), jnp.asarray([2])))
+
+    c128 = cache.classical.c128
+    changed = c128.at[0, 0, 0].set(c128[0, 0, 0] * -3.0)
+    a, b = out(c128), out(changed)
+    np.testing.assert_array_equal(a[0, :3], b[0, :3])
+    assert np.abs(a[0, 3] - b[0, 3]).max() > 1e-3
+
+
+# --- streaming equivalences -------------------------------------------------------------------
+
+
+def _state_arrays(cache, slot: int) -> dict[str, np.ndarray]:
+    return {
+        "window": np.asarray(cache.state.window[:, slot]),
+        **{f"{s.name}.kv": np.asarray(cache.state.tail(s.name).kv[:, slot]) for s in cache.specs},
+        **{f"{s.name}.gate": np.asarray(cache.state.tail(s.name).gate[:, slot])
+           for s in cache.specs},
+    }
+
+
+def _logical(cache, slot: int, length: int) -> dict[str, np.ndarray]:
+    out = {}
+    for s in cache.specs:
+        n = len(cache.model.layers_of(s.kind))
+        out[s.name] = np.stack([logical_entries(cache, s.name, k, slot, length // s.ratio)
+                                for k in range(n)])
+    return out
+
+
+@settings(max_examples=hypothesis_examples(6), deadline=None)
+@given(length=st.integers(1, 150), sizes=st.lists(st.integers(1, CHUNK), min_size=1, max_size=4),
+       seed=st.integers(0, 1000))
+def test_decode_equals_prefill_equals_any_chunking(length, sizes, seed):
+    data = synthetic.SyntheticBatch.draw(MODEL, 1, length, seed=seed)
+    chunked, out_chunked = run_chunks(new_cache(slots=[0]), data, chunk_plan([length], sizes))
+    decoded, out_decoded = run_chunks(new_cache(slots=[0]), data, [[1]] * length, chunk=1)
+    widest, _ = run_chunks(new_cache(slots=[0]), data, chunk_plan([length], [CHUNK]),
+                           with_attention=False)
+    for other in (decoded, widest):
+        for name in ("lengths", "status"):
+            np.testing.assert_array_equal(getattr(chunked.state, name),
+                                          getattr(other.state, name))
+        for a, b in zip(jax.tree.leaves(chunked.pages), jax.tree.leaves(other.pages),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
+        for name, a in _state_arrays(chunked, 0).items():
+            np.testing.assert_allclose(a, _state_arrays(other, 0)[name], atol=1e-6,
+                                       err_msg=name)
+        for name, a in _logical(chunked, 0, length).items():
+            np.testing.assert_allclose(a, _logical(other, 0, length)[name], atol=1e-6,
+                                       err_msg=name)
+    np.testing.assert_allclose(out_chunked, out_decoded, atol=1e-6)
+
+
+@settings(max_examples=hypothesis_examples(6), deadline=None)
+@given(lengths=st.lists(st.integers(0, 190), min_size=3, max_size=3),
+       sizes=st.lists(st.integers(0, CHUNK), min_size=3, max_size=9), seed=st.integers(0, 99))
+def test_counts_follow_lengths(lengths, sizes, seed):
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, max(lengths) + 1, seed=seed)
+    lengths = np.asarray(lengths)
+    plan, done = [], np.zeros(3, np.int64)
+    i = 0
+    while (done < lengths).any():
+        n = np.minimum([sizes[(i + b) % len(sizes)] or 1 for b in range(3)], lengths - done)
+        plan.append(n)
+        done += n
+        i += 1
+    cache, _ = run_chunks(new_cache(), data, plan, with_attention=False)
+    m, mh, W = MODEL.csa_ratio, MODEL.hca_ratio, MODEL.window
+    for rep, L in zip(v4.inspect_slots(cache), lengths, strict=True):
+        assert rep.length == L
+        assert (rep.c4_entries, rep.c128_entries) == (L // m, L // mh)
+        assert (rep.csa_tail, rep.hca_tail) == (L % m, L % mh)
+        assert rep.window == ((max(0, L - W), L - 1) if L else None)
+        assert len(rep.pages) == paging.pages_for(L, GEOMETRY.page_tokens)
+        # Exactly floor(L / m) entries exist: the next row of the pool is still empty.
+        for s in cache.specs:
+            n = L // s.ratio
+            got = logical_entries(cache, s.name, 0, rep.slot, n + 1) if rep.pages else None
+            if got is not None:
+                assert np.all(np.any(got[:n] != 0, axis=-1)), s.name
+                epp = GEOMETRY.entries_per_page(s.ratio)
+                if n < len(rep.pages) * epp:
+                    assert not got[n].any(), f"{s.name}: entry {n} written early"
+
+
+@settings(max_examples=hypothesis_examples(4), deadline=None)
+@given(lengths=st.lists(st.integers(1, 120), min_size=3, max_size=3),
+       sizes=st.lists(st.integers(1, CHUNK), min_size=1, max_size=3), seed=st.integers(0, 99))
+def test_ragged_batch_equals_each_request_alone(lengths, sizes, seed):
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, max(lengths), seed=seed)
+    plan = chunk_plan(lengths, sizes)
+    batched, out = run_chunks(new_cache(), data, plan)
+    for b, L in enumerate(lengths):
+        alone_plan = [[n[b]] for n in plan if n[b]]
+        cache, out_alone = run_chunks(new_cache(), data, alone_plan, rows=[b], slot_ids=[0])
+        np.testing.assert_allclose(out[:, b, :L], out_alone[:, 0, :L], atol=1e-6)
+        for name, a in _logical(batched, b, L).items():
+            np.testing.assert_allclose(a, _logical(cache, 0, L)[name], atol=1e-6)
+
+
+def test_matches_brute_force_oracle_for_all_layer_kinds():
+    lengths = [181, 96, 33]
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, 181, seed=11)
+    _, out = run_chunks(new_cache(), data, chunk_plan(lengths, [7, 32, 1, 19]))
+    for layer, kind in enumerate(MODEL.layer_kinds):
+        for b, L in enumerate(lengths):
+            want, margin = oracle.attention_outputs(MODEL, kind, data.history(layer, b), L)
+            assert margin > 1e-5, "top-k cut too close to call; pick another seed"
+            np.testing.assert_allclose(out[layer, b, :L], want, atol=2e-5,
+                                       err_msg=f"layer {layer} ({kind.name}) row {b}")
+
+
+def test_decode_attention_after_decode_step_equals_layer_step():
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, 60, seed=5)
+    lengths = np.asarray([59, 20, 0])
+    cache, _ = run_chunks(new_cache(), data, chunk_plan(lengths, [CHUNK]), with_attention=False)
+    vectors = data.take(lengths)
+    via_forward, out = step.forward(jax.tree.map(jnp.copy, cache), vectors,
+                                    data.stacked_queries(lengths), data.weights, np.arange(3),
+                                    np.ones(3, np.int32))
+    cache = v4.decode_step(cache, vectors, data.weights)
+    np.testing.assert_array_equal(cache.state.lengths, via_forward.state.lengths)
+    for layer in range(MODEL.num_layers):
+        o = v4.decode_attention(cache, v4.LayerRef.of(cache, layer),
+                                data.queries(layer, lengths[:, None]), jnp.arange(3))
+        np.testing.assert_allclose(o, out[layer], atol=1e-6)
+
+
+# --- fixed shapes -----------------------------------------------------------------------------
+
+
+def test_300_decode_steps_across_page_edges_compile_once():
+    geometry = v4.CacheConfig(num_pages=5, max_slots=2, max_pages_per_seq=3, query_tile=16)
+    data = synthetic.SyntheticBatch.draw(MODEL, 2, 320, seed=0)
+    cache = new_cache(MODEL, geometry)
+    cache = v4.decode_step(cache, data.take(np.zeros(2, int)), data.weights)
+    cache, _ = step.forward(cache, data.take(np.ones(2, int)), data.stacked_queries([1, 1]),
+                            data.weights, np.arange(2), np.ones(2, np.int32))
+    compiled = (step._append_all_jit._cache_size(), step._append_attend_all_jit._cache_size())
+    for p in range(2, 320):
+        if p % 2:
+            cache = v4.decode_step(cache, data.take(np.full(2, p)), data.weights)
+        else:
+            cache, _ = step.forward(cache, data.take(np.full(2, p)),
+                                    data.stacked_queries([p, p]), data.weights, np.arange(2),
+                                    np.ones(2, np.int32))
+    assert int(cache.state.lengths[0]) == 320
+    assert len(v4.inspect_slots(cache)[0].pages) == 3
+    assert (step._append_all_jit._cache_size(),
+            step._append_attend_all_jit._cache_size()) == compiled
+
+
+def _float_shapes(jaxpr) -> list[tuple[int, ...]]:
+    shapes = []
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            aval = var.aval
+            if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating):
+                shapes.append(tuple(aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            shapes += _float_shapes(sub)
+    return shapes
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_step_cost_follows_context_not_capacity(layer):
+    """Reads loop over used pages only, a chunk at a time: at 16x the capacity the attention
+    program holds no bigger array, except one 4-byte score per entry (the indexer's top-k
+    row, whose top-k runs on a length-sized prefix)."""
+    data = synthetic.SyntheticBatch.draw(MODEL, 2, 1, seed=0)
+
+    def shapes(max_pages):
+        geometry = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=max_pages)
+        cache = v4.init_cache(MODEL, geometry)
+        ref = v4.LayerRef.of(cache, layer)
+        return _float_shapes(jax.make_jaxpr(lambda c: v4.decode_attention(
+            c, ref, data.queries(layer, np.zeros((2, 1), int)), jnp.arange(2)))(cache).jaxpr)
+
+    base = max(int(np.prod(s)) for s in shapes(128))  # capacity = one read chunk
+    grown = [s for s in shapes(2048) if int(np.prod(s)) > base]
+    assert all(len(s) == 3 and s[:2] == (2, 1) for s in grown), grown
+    if MODEL.layer_kinds[layer] == LayerKind.HCA:
+        assert not grown
+
+
+def test_read_loop_trip_count_follows_length():
+    def trips(max_pages, length):
+        rows = jnp.asarray(np.arange(max_pages)[None], jnp.int32)
+        return int(paging.fold_page_chunks(rows, jnp.asarray([length // 4]), 32, 2,
+                                           lambda n, ids, first: n + 1, jnp.int32(0)))
+
+    assert trips(8, 300) == trips(512, 300) == 2
+    assert trips(512, 5000) == 20
+    assert trips(512, 0) == 0
+
+
+def test_vector_shape_errors_name_the_field():
+    cache = new_cache()
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, 4, seed=0)
+    vectors = data.span(0, 1)
+    bad = vectors.replace(window=vectors.window[:, :, :, :-1])
+    with pytest.raises(ValueError, match=r"vectors.window has shape .*expected \(5, 3, 1, 32\)"):
+        v4.decode_step(cache, bad, data.weights)
+    with pytest.raises(ValueError, match="slot_ids=\\[0, 7\\] must lie in"):
+        v4.prefill(cache, data.take(np.zeros((2, 1), int), [0, 1]), data.weights,
+                   [0, 7], [1, 1])
+    with pytest.raises(ValueError, match="n_new=\\[2, 1\\] must lie in \\[0, tokens=1\\]"):
+        v4.prefill(cache, data.take(np.zeros((2, 1), int), [0, 1]), data.weights,
+                   [0, 1], [2, 1])
