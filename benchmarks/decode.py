@@ -24,6 +24,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v4kv_jax import config as cfg
 from v4kv_jax import step, synthetic
@@ -152,7 +153,8 @@ def run(args) -> dict:
                                    page_tokens=P)
         cache = synthetic.random_cache(model, geometry, [context] * args.batch, seed=context)
         data = synthetic.SyntheticBatch.draw(model, args.batch, 1, seed=1)
-        vectors, queries = data.vectors(0, 1), data.stacked_queries(0, 1)
+        vectors, queries = data.span(0, 1), data.stacked_queries(
+            np.zeros((args.batch, 1), int))
         v4 = make_v4_step(model)
         t0 = time.perf_counter()
         cache, out = v4(cache, vectors, queries, data.weights)

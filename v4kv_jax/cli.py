@@ -1,0 +1,175 @@
+"""`v4kv`: the command line.
+
+  v4kv demo      prefill + decode a ragged batch on a small random model with all three layer
+                 kinds; prints occupancy, the memory report against a dense cache, tokens/s
+                 and the largest deviation from the brute-force oracle.
+  v4kv memory    the cache cost of a preset (flash, pro) at a given context, computed from
+                 the geometry alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from v4kv_jax import config as cfg
+from v4kv_jax import pools
+
+DEMO_MODEL = dict(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64,
+                  o_groups=2, o_lora_rank=32, window=128, compress_ratios=(0, 0, 4, 128, 4, 128),
+                  csa_ratio=4, hca_ratio=128, index_heads=8, index_head_dim=32, index_topk=32)
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def demo(args) -> int:
+    import jax
+
+    from v4kv_jax import oracle, synthetic
+    from v4kv_jax.manager import CacheManager
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    model = cfg.AttentionConfig(**DEMO_MODEL)
+    lengths = np.asarray(args.lengths)
+    total = lengths + args.decode_steps
+    chunk = args.chunk
+    geometry = cfg.CacheConfig(num_pages=args.pages, max_slots=len(lengths),
+                               max_pages_per_seq=-(-int(total.max()) // 128))
+    kinds = ", ".join(f"{k.name} x{len(model.layers_of(k))}" for k in cfg.LayerKind)
+    _say(f"v4kv demo on {jax.default_backend().upper()}: {model.num_layers} layers ({kinds}), "
+         f"H={model.num_heads} hd={model.head_dim} W={model.window} m={model.csa_ratio} "
+         f"m'={model.hca_ratio} top-k={model.index_topk}; pages of {geometry.page_tokens} "
+         "tokens")
+    data = synthetic.SyntheticBatch.draw(model, len(lengths), int(total.max()), seed=args.seed)
+    mgr = CacheManager(model, geometry, data.weights)
+    requests = [f"req{i}" for i in range(len(lengths))]
+    for r in requests:
+        mgr.admit(r)
+    rows = np.arange(len(lengths))
+    outputs = np.zeros((model.num_layers, len(lengths), int(total.max()), model.num_heads,
+                        model.head_dim), np.float32)
+
+    _say(f"[1/4] prefill of {lengths.tolist()} tokens, {chunk}-token chunks "
+         "(first call compiles)")
+    done = np.zeros_like(lengths)
+    compile_s, prefill_s, prefill_tokens = 0.0, 0.0, 0
+    while (done < lengths).any():
+        n = np.minimum(chunk, lengths - done)
+        pos = done[:, None] + np.arange(chunk)[None, :]
+        vectors, queries = data.take(pos), data.stacked_queries(pos)
+        t0 = time.perf_counter()
+        out = np.asarray(mgr.prefill(requests, vectors, n, queries=queries))
+        dt = time.perf_counter() - t0
+        if compile_s == 0.0:
+            compile_s = dt
+        else:
+            prefill_s += dt
+            prefill_tokens += int(n.sum())
+        for b in rows:
+            outputs[:, b, done[b]:done[b] + n[b]] = out[:, b, :n[b]]
+        done += n
+        _say(f"      {done.tolist()}")
+
+    _say(f"[2/4] decode of {args.decode_steps} steps x {len(lengths)} requests")
+    decode_s = decode_compile = 0.0
+    for i in range(args.decode_steps):
+        pos = lengths + i
+        vectors, queries = data.take(pos), data.stacked_queries(pos)
+        t0 = time.perf_counter()
+        out = np.asarray(mgr.decode(vectors, queries=queries))
+        dt = time.perf_counter() - t0
+        if i == 0:
+            decode_compile = dt
+        else:
+            decode_s += dt
+        outputs[:, rows, pos] = out[:, rows, 0]
+
+    _say("[3/4] brute-force oracle (every entry recomputed from the full history)")
+    worst, worst_at = 0.0, None
+    for layer, kind in enumerate(model.layer_kinds):
+        for b in rows:
+            L = int(total[b])
+            want, _ = oracle.attention_outputs(model, kind, data.history(layer, b), L)
+            dev = float(np.abs(outputs[layer, b, :L] - want).max())
+            if dev > worst:
+                worst, worst_at = dev, (layer, kind.name, requests[b])
+
+    _say("[4/4] report\n")
+    _say(f"{'request':>8} {'length':>7} {'C4/layer':>9} {'C128/layer':>11} {'tails':>7} "
+         f"{'window':>12} pages")
+    for r, rep in mgr.inspect().items():
+        window = f"{rep.window[0]}..{rep.window[1]}" if rep.window else "-"
+        _say(f"{r:>8} {rep.length:>7} {rep.c4_entries:>9} {rep.c128_entries:>11} "
+             f"{rep.csa_tail:>3}/{rep.hca_tail:<3} {window:>12} {list(rep.pages)}")
+    report = mgr.memory_report()
+    _say("\n" + report.format())
+    tokens_held = int(total.sum())
+    dense = tokens_held * pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)
+    v4_bytes = report.allocated_bytes + len(lengths) * report.state_bytes_per_request
+    _say(f"\nDense per-token cache of the same {model.num_layers} layers for {tokens_held} "
+         f"tokens: {_mib(dense)}; V4 Classical allocated + State: {_mib(v4_bytes)} "
+         f"({dense / v4_bytes:.1f}x smaller)")
+    _say(f"Classical entries {_mib(report.entry_bytes)} = {report.entry_bytes / tokens_held:.1f} "
+         f"B/token vs dense {pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)} "
+         "B/token")
+    decode_tokens = (args.decode_steps - 1) * len(lengths)
+    _say(f"\nPrefill: {prefill_tokens / prefill_s:,.0f} tokens/s after a {compile_s:.1f} s "
+         "first call (compile)" if prefill_s else
+         f"\nPrefill: one call of {compile_s:.1f} s (compile included)")
+    if decode_s:
+        _say(f"Decode:  {decode_tokens / decode_s:,.0f} tokens/s "
+             f"({1e3 * decode_s / (args.decode_steps - 1):.1f} ms/step for {len(lengths)} "
+             f"requests, all layers) after a {decode_compile:.1f} s first step")
+    _say(f"Largest deviation from the brute-force oracle: {worst:.2e}"
+         + (f" (layer {worst_at[0]} {worst_at[1]}, {worst_at[2]})" if worst_at else ""))
+    return 0 if worst < 1e-4 else 1
+
+
+def memory(args) -> int:
+    model = cfg.PRESETS[args.preset]()
+    geometry = cfg.CacheConfig(num_pages=1, max_slots=1, max_pages_per_seq=1,
+                               entry_dtype=args.dtype, window_dtype=args.dtype)
+    per_token = pools.classical_bytes_per_token(model, args.dtype)
+    state = pools.state_bytes_per_request(model, geometry)
+    pages = -(-args.tokens // geometry.page_tokens)
+    classical = pages * geometry.page_tokens * per_token["total"]
+    dense = args.tokens * pools.dense_cache_bytes_per_token(model, args.dtype)
+    _say(f"{args.preset}: {model.num_layers} layers ({model.num_csa} CSA, {model.num_hca} HCA, "
+         f"{len(model.layers_of(cfg.LayerKind.SWA))} SWA), entries in {args.dtype}")
+    _say("Classical bytes/token: " + ", ".join(f"{k} {v:.1f} B" for k, v in per_token.items()))
+    _say(f"At {args.tokens:,} tokens: Classical {_mib(classical)} in {pages:,} pages, "
+         f"State {_mib(state)} per request (fp32 tails), dense per-token cache {_mib(dense)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="v4kv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("demo", help="prefill + decode a ragged batch and check it")
+    p.add_argument("--lengths", type=int, nargs="+", default=[700, 384, 129, 37],
+                   help="prompt lengths of the requests")
+    p.add_argument("--decode-steps", type=int, default=24)
+    p.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens per call)")
+    p.add_argument("--pages", type=int, default=64, help="pages in the Classical pool")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=demo)
+    p = sub.add_parser("memory", help="cache cost of a preset at a context length")
+    p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash")
+    p.add_argument("--tokens", type=int, default=1 << 20)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(run=memory)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
