@@ -1,0 +1,191 @@
+"""The NNX decoder and its jitted generation loop: layer groups, chunking invariance, greedy
+generation against a recompute-everything reference, compile-once, sampling, errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import v4kv_jax as v4
+from v4kv_jax.config import LayerKind
+from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward, layer_groups
+
+from conftest import MODEL
+
+CONFIG = ModelConfig(MODEL, vocab_size=48, mlp_hidden=80)
+GEOMETRY = v4.CacheConfig(num_pages=12, max_slots=3, max_pages_per_seq=2, query_tile=16)
+MAX_PROMPT, MAX_NEW, CHUNK = 90, 12, 32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Decoder(CONFIG, rngs=nnx.Rngs(0), bias_scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def generator(model):
+    return Generator(model, GEOMETRY, max_prompt_len=MAX_PROMPT, max_new_tokens=MAX_NEW,
+                     prefill_chunk=CHUNK)
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, CONFIG.vocab_size, n).tolist() for n in lengths]
+
+
+def test_layer_groups_of_the_presets():
+    S, C, H = LayerKind.SWA, LayerKind.CSA, LayerKind.HCA
+    flash = layer_groups(v4.flash().layer_kinds)
+    assert [(g.first, g.pattern, g.repeats) for g in flash] == [
+        (0, (S,), 2), (2, (C, H), 20), (42, (C,), 1)]
+    pro = layer_groups(v4.pro().layer_kinds)
+    assert [(g.first, g.pattern, g.repeats) for g in pro] == [
+        (0, (H,), 2), (2, (C, H), 29), (60, (C,), 1)]
+    assert [(g.pattern, g.repeats) for g in layer_groups([S, C, H, S])] == [
+        ((S,), 1), ((C,), 1), ((H,), 1), ((S,), 1)]
+    for kinds in (v4.flash().layer_kinds, v4.pro().layer_kinds, MODEL.layer_kinds):
+        covered = [i for g in layer_groups(kinds) for j in range(len(g.pattern))
+                   for i in g.layers(j)]
+        assert sorted(covered) == list(range(len(kinds)))
+
+
+def test_stacked_params_follow_the_groups(model):
+    # tiny: SWA, then (CSA, HCA) x 2: the CSA block's leaves are stacked over 2 repeats.
+    assert [(g.pattern, g.repeats) for g in model.layout] == [
+        ((LayerKind.SWA,), 1), ((LayerKind.CSA, LayerKind.HCA), 2)]
+    csa = model.groups[1][0]
+    assert csa.attn.q_a_proj[...].shape == (2, MODEL.q_lora_rank, MODEL.hidden_size)
+    assert csa.attn.indexer.compressor.ape[...].shape == (2, MODEL.csa_ratio,
+                                                           2 * MODEL.index_head_dim)
+    a, b = model.attention_params(1), model.attention_params(3)
+    assert not np.allclose(a["q_a_proj"], b["q_a_proj"])  # distinct random layers
+
+
+def _fresh_cache(slots):
+    cache = v4.init_cache(MODEL, GEOMETRY)
+    for s in range(slots):
+        cache = v4.reset_slot(cache, s)
+    return cache
+
+
+def test_chunked_prefill_and_decode_match_one_shot(model):
+    graphdef, params = nnx.split(model)
+    tokens = np.asarray(_prompts([70, 70], seed=1), np.int32)
+    _, full = forward(graphdef, params, _fresh_cache(2), jnp.asarray(tokens), jnp.arange(2),
+                      jnp.asarray([70, 45]))
+    full = np.asarray(full)
+    cache, pieces, done = _fresh_cache(2), [], np.zeros(2, int)
+    for n in ([30, 20], [32, 25], [8, 0]):
+        chunk = np.zeros((2, 32), np.int32)
+        for b in range(2):
+            chunk[b, :n[b]] = tokens[b, done[b]:done[b] + n[b]]
+        cache, lg = forward(graphdef, params, cache, jnp.asarray(chunk), jnp.arange(2),
+                            jnp.asarray(n))
+        pieces.append((np.asarray(lg), list(n), done.copy()))
+        done += n
+    for lg, n, start in pieces:
+        for b in range(2):
+            np.testing.assert_allclose(lg[b, :n[b]], full[b, start[b]:start[b] + n[b]],
+                                       atol=2e-5)
+
+
+def _greedy_reference(model, prompt, steps):
+    """Greedy tokens by recomputing the whole sequence in one prefill per new token."""
+    graphdef, params = nnx.split(model)
+    seq = list(prompt)
+    for _ in range(steps):
+        buf = np.zeros((1, MAX_PROMPT + MAX_NEW), np.int32)
+        buf[0, :len(seq)] = seq
+        _, lg = forward(graphdef, params, _fresh_cache(1), jnp.asarray(buf), jnp.arange(1),
+                        jnp.asarray([len(seq)]))
+        seq.append(int(np.argmax(np.asarray(lg)[0, len(seq) - 1])))
+    return seq[len(prompt):]
+
+
+def test_greedy_generation_matches_recomputing_everything(model, generator):
+    prompts = _prompts([5, 77, 33])
+    out = generator.generate(prompts)
+    assert out.tokens.shape == (3, MAX_NEW)
+    for prompt, got in zip(prompts, out.as_lists(), strict=True):
+        assert got == _greedy_reference(model, prompt, MAX_NEW)
+
+
+def test_generation_compiles_once_for_every_length_and_batch(generator):
+    before = Generator.compiled_programs()
+    generator.generate(_prompts([1]))
+    for lengths in ([90, 2, 40], [33, 64], [17, 17, 17]):
+        generator.generate(_prompts(lengths, seed=len(lengths)), temperature=0.7, seed=3)
+    assert Generator.compiled_programs() - before <= 1
+
+
+def test_rows_are_independent_of_their_batch(generator):
+    prompts = _prompts([60, 9, 31], seed=5)
+    together = generator.generate(prompts).as_lists()
+    for b, p in enumerate(prompts):
+        assert generator.generate([p]).as_lists()[0] == together[b]
+
+
+def test_sampling_is_seeded_and_stays_in_the_vocabulary(generator):
+    prompts = _prompts([12, 50], seed=2)
+    a = generator.generate(prompts, temperature=1.0, seed=11)
+    b = generator.generate(prompts, temperature=1.0, seed=11)
+    c = generator.generate(prompts, temperature=1.0, seed=12)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+    assert a.tokens.min() >= 0 and a.tokens.max() < CONFIG.vocab_size
+
+
+def test_eos_ends_a_row(generator):
+    prompts = _prompts([20, 40], seed=4)
+    free = generator.generate(prompts).as_lists()
+    eos = free[0][3]
+    out = generator.generate(prompts, eos_id=eos)
+    row = out.as_lists()[0]
+    assert row == free[0][:free[0].index(eos) + 1]
+    assert out.lengths[0] == len(row) and (out.tokens[0, len(row):] == -1).all()
+    if eos in free[1]:
+        assert out.as_lists()[1] == free[1][:free[1].index(eos) + 1]
+    else:
+        assert out.as_lists()[1] == free[1]
+
+
+def test_generation_fills_the_cache(generator):
+    generator.generate(_prompts([90, 10]))
+    lengths = np.asarray(generator.cache.state.lengths)[:2]
+    # prompt + every generated token but the last is in the cache
+    np.testing.assert_array_equal(lengths, [90 + MAX_NEW - 1, 10 + MAX_NEW - 1])
+    report = generator.memory_report()
+    assert report.pages_used == 2  # 101 and 21 tokens: one 128-token page each
+    assert report.entry_bytes > 0
+
+
+def test_bad_requests_are_clear_errors(model, generator):
+    with pytest.raises(ValueError, match="prompt 1 has 91 tokens; expected 1..90"):
+        generator.generate(_prompts([3, 91]))
+    with pytest.raises(ValueError, match="got 4 prompts; the cache has max_slots=3"):
+        generator.generate(_prompts([3, 3, 3, 3]))
+    with pytest.raises(ValueError, match=r"outside \[0, vocab_size=48\)"):
+        generator.generate([[1, 48]])
+    with pytest.raises(ValueError, match="exceeds the cache's max_seq_len=256"):
+        Generator(model, GEOMETRY, max_prompt_len=250, max_new_tokens=7)
+
+
+def test_pool_exhaustion_is_reported(model):
+    small = v4.CacheConfig(num_pages=2, max_slots=3, max_pages_per_seq=2, query_tile=16)
+    gen = Generator(model, small, max_prompt_len=MAX_PROMPT, max_new_tokens=2,
+                    prefill_chunk=CHUNK)
+    with pytest.raises(RuntimeError, match=r"prompts \[2\] could not append \(\['OUT_OF_PAGES'\]"):
+        gen.generate(_prompts([10, 10, 10]))
+
+
+def test_logits_shape_and_tied_embeddings():
+    tied = Decoder(ModelConfig(MODEL, vocab_size=16, tie_embeddings=True), rngs=nnx.Rngs(1))
+    assert tied.lm_head is None
+    graphdef, params = nnx.split(tied)
+    _, lg = forward(graphdef, params, _fresh_cache(1), jnp.zeros((1, 4), jnp.int32),
+                    jnp.arange(1), jnp.asarray([4]))
+    assert lg.shape == (1, 4, 16) and bool(jnp.isfinite(lg).all())
+    assert jax.tree.leaves(params)  # params are plain arrays once split

@@ -1,0 +1,174 @@
+"""Converting attention-layer tensors between checkpoint names and `V4Attention` params.
+
+  attention_params(tensors, config, kind, layout)   checkpoint names -> {V4Attention path: f32}
+  checkpoint_tensors(params, kind, layout)          the inverse (for exporting weights)
+  load_attention(module, params)                    writes params into a V4Attention
+  attention_state(module)                           reads them back out
+
+`layout` is "transformers" (transformers 5.23.0 module names, e.g. `q_a_proj.weight`,
+`compressor.indexer.scorer.weights_proj.weight`) or "official" (the released checkpoint's,
+e.g. `wq_a.weight`, `indexer.weights_proj.weight`, `attn_sink`); see `names.TABLE`.
+
+Block-quantised weights are dequantised: a weight `X.weight` stored in fp8 with a companion
+`X.scale` (official) or `X.weight_scale_inv` (transformers' fp8 format) holding one scale per
+128 x 128 block becomes `weight * scale` in fp32. Every other tensor is cast to fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax.interop import names
+
+SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+FP8_BLOCK = (128, 128)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is unknown, missing, or of the wrong shape; the message names it."""
+
+
+def scale_name(weight_name: str, tensors: Mapping[str, object]) -> str | None:
+    """The block-scale companion of `weight_name` present in `tensors`, if any."""
+    if not weight_name.endswith(".weight"):
+        return None
+    stem = weight_name[: -len(".weight")]
+    for suffix in SCALE_SUFFIXES:
+        if stem + suffix in tensors:
+            return stem + suffix
+    return None
+
+
+def dequantize(weight: np.ndarray, scale: np.ndarray, name: str,
+               block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
+    """weight [o, i] * scale[ceil(o / b0), ceil(i / b1)] broadcast over its blocks, in fp32."""
+    if weight.ndim != 2:
+        raise CheckpointError(f"{name}: a block-scaled weight must be 2-D; got shape "
+                              f"{weight.shape}")
+    o, i = weight.shape
+    want = (-(-o // block[0]), -(-i // block[1]))
+    if tuple(scale.shape) != want:
+        raise CheckpointError(f"{name}: scale has shape {tuple(scale.shape)}; a {weight.shape} "
+                              f"weight in {block[0]}x{block[1]} blocks needs {want}")
+    full = np.repeat(np.repeat(scale.astype(np.float32), block[0], 0), block[1], 1)[:o, :i]
+    return weight.astype(np.float32) * full
+
+
+def attention_params(tensors: Mapping[str, np.ndarray], config: AttentionConfig,
+                     kind: LayerKind, layout: str, prefix: str = "") -> dict[str, np.ndarray]:
+    """One attention layer's checkpoint tensors -> `V4Attention` params.
+
+    Args:
+      tensors: name -> array (numpy, or anything `np.asarray` takes: torch CPU tensors via
+        `.numpy()`), names under `prefix` (e.g. `layer.state_dict()` of a transformers
+        `DeepseekV4Attention` with prefix "", or a whole checkpoint's tensors with prefix
+        "model.layers.3.self_attn.").
+      config: the geometry the tensors must fit.
+      kind: the layer's kind.
+      layout: "transformers" or "official".
+      prefix: prepended to every expected name; names outside it are ignored.
+
+    Returns:
+      {V4Attention path: f32 array}, e.g. {"q_a_proj": [q, D], "compressor.ape": [m, w], ...}.
+
+    Raises:
+      CheckpointError: a name under `prefix` that the layer does not have, a missing name, or
+        a shape that does not match the config; the message names the tensor.
+    """
+    if layout not in names.LAYOUTS:
+        raise ValueError(f"layout={layout!r} must be one of {names.LAYOUTS}")
+    kind = LayerKind(kind)
+    table = names.names_for(kind)
+    wanted = {prefix + p.name(layout): p for p in table}
+    scales = {s for n in wanted if (s := scale_name(n, tensors)) is not None}
+    ours = [n for n in tensors if n.startswith(prefix)]
+    unknown = sorted(n for n in ours if n not in wanted and n not in scales)
+    if unknown:
+        other = {prefix + p.name(layout) for p in names.TABLE} - set(wanted)
+        hint = [f"{n} (exists only in {_kinds_of(n[len(prefix):], layout)} layers)"
+                for n in unknown if n in other]
+        raise CheckpointError(
+            f"unknown tensor(s) for a {kind.name} layer in the {layout} layout: "
+            + ", ".join(hint or unknown) + f"; expected names: {sorted(wanted)}")
+    missing = sorted(n for n in wanted if n not in tensors)
+    if missing:
+        raise CheckpointError(f"missing tensor(s) for a {kind.name} layer in the {layout} "
+                              f"layout: {', '.join(missing)}")
+    shapes = names.expected_shapes(config, kind)
+    out = {}
+    for name, p in wanted.items():
+        value = np.asarray(tensors[name])
+        if tuple(value.shape) != shapes[p.path]:
+            raise CheckpointError(f"{name} has shape {tuple(value.shape)}; the config expects "
+                                  f"{shapes[p.path]} ({p.path} of a {kind.name} layer)")
+        s = scale_name(name, tensors)
+        if s is not None:
+            value = dequantize(value, np.asarray(tensors[s]), name)
+        out[p.path] = value.astype(np.float32)
+    return out
+
+
+def _kinds_of(relative: str, layout: str) -> str:
+    for p in names.TABLE:
+        if p.name(layout) == relative:
+            return "/".join(k.name for k in p.kinds)
+    return "no"
+
+
+def checkpoint_tensors(params: Mapping[str, np.ndarray], kind: LayerKind, layout: str,
+                       prefix: str = "") -> dict[str, np.ndarray]:
+    """`V4Attention` params -> checkpoint names (the inverse of `attention_params`)."""
+    table = {p.path: p for p in names.names_for(LayerKind(kind))}
+    unknown = sorted(set(params) - set(table))
+    if unknown:
+        raise CheckpointError(f"unknown V4Attention path(s) for a {LayerKind(kind).name} layer: "
+                              f"{unknown}")
+    missing = sorted(set(table) - set(params))
+    if missing:
+        raise CheckpointError(f"missing V4Attention path(s): {missing}")
+    return {prefix + table[path].name(layout): np.asarray(v) for path, v in params.items()}
+
+
+def param_at(module, path: str):
+    """The `nnx.Param` at a dot-separated path of a module."""
+    obj = module
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_layer_params(params: Mapping[str, object], shapes: Mapping[str, tuple[int, ...]],
+                       kind: LayerKind, where: str = "") -> None:
+    """Raises CheckpointError unless `params` has exactly the paths of `shapes`, each with its
+    shape."""
+    at = f" ({where})" if where else ""
+    missing, unknown = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
+    if missing or unknown:
+        raise CheckpointError(
+            f"params for a {LayerKind(kind).name} layer{at} must be exactly {sorted(shapes)}; "
+            f"missing {missing}, unknown {unknown}")
+    for path, value in params.items():
+        if tuple(np.shape(value)) != tuple(shapes[path]):
+            raise CheckpointError(f"{path}{at} has shape {tuple(np.shape(value))}; expected "
+                                  f"{tuple(shapes[path])}")
+
+
+def load_attention(module, params: Mapping[str, np.ndarray]) -> None:
+    """Writes {path: array} into a `V4Attention` (all of its params, shapes checked). Each
+    array is stored in the dtype of the param it replaces."""
+    shapes = {p.path: tuple(param_at(module, p.path)[...].shape)
+              for p in names.names_for(module.kind)}
+    check_layer_params(params, shapes, module.kind)
+    for path, value in params.items():
+        param = param_at(module, path)
+        param[...] = jnp.asarray(value, param[...].dtype)
+
+
+def attention_state(module) -> dict[str, np.ndarray]:
+    """{path: numpy array} of every param of a `V4Attention` (stacked leaves stay stacked)."""
+    return {p.path: np.asarray(param_at(module, p.path)[...], np.float32)
+            for p in names.names_for(module.kind)}

@@ -1,0 +1,177 @@
+"""`V4Attention`: one DeepSeek-V4 attention layer as a Flax NNX module (SPEC section 2).
+
+The module owns the layer's weights and computes the per-token vectors the cache takes; the
+cache (`v4kv_jax.step`) owns the window ring, the compressor tails, the pooled entries and the
+attention itself. Weights are stored [out, in] like the checkpoints, so loading is a copy.
+
+Parameters by layer kind (D hidden, q query rank, H heads of hd, g groups of rank R,
+m the layer's ratio, coff 2 for CSA and 1 for HCA, nI indexer heads of c):
+
+  every kind     q_a_proj [q, D]   q_a_norm [q]   q_b_proj [H hd, q]
+                 kv_proj [hd, D]   kv_norm [hd]   sinks [H]
+                 o_a_proj [g R, H hd / g]   o_b_proj [D, g R]
+  CSA and HCA    compressor.{kv_proj, gate_proj} [coff hd, D]
+                 compressor.ape [m, coff hd]   compressor.norm [hd]
+  CSA            indexer.q_b_proj [nI c, q]   indexer.weights_proj [nI, D]
+                 indexer.compressor.{kv_proj, gate_proj} [2 c, D]
+                 indexer.compressor.ape [m, 2 c]   indexer.compressor.norm [c]
+
+`v4kv_jax.interop` maps these names to and from transformers 5.23.0 and the official
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from v4kv_jax import rope, step
+from v4kv_jax.attention import Queries, output_projection
+from v4kv_jax.compressor import CompressorInput, CompressorParams, rms_norm
+from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax.pools import Cache
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype))
+
+
+def _projection(rngs: nnx.Rngs, out_dim: int, in_dim: int, dtype) -> nnx.Param:
+    """A weight [out, in] with entries N(0, 1 / in)."""
+    return _normal(rngs, (out_dim, in_dim), in_dim**-0.5, dtype)
+
+
+def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
+    """x [..., in] @ weight[out, in].T in fp32: [..., out]."""
+    return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), weight.astype(jnp.float32),
+                      precision=precision)
+
+
+class Compressor(nnx.Module):
+    """Projections and pooling params of one compressor (SPEC section 3).
+
+    Attributes:
+      kv_proj, gate_proj: [coff * width, D], W_kv_c and W_gate_c.
+      ape: [ratio, coff * width], the position bias added to the gate by t mod ratio.
+      norm: [width], the weight of the entry RMSNorm.
+    """
+
+    def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32, bias_scale: float = 0.0):
+        coff = 2 if overlap else 1
+        self.kv_proj = _projection(rngs, coff * width, hidden, param_dtype)
+        self.gate_proj = _projection(rngs, coff * width, hidden, param_dtype)
+        self.ape = _normal(rngs, (ratio, coff * width), bias_scale, jnp.float32)
+        self.norm = nnx.Param(jnp.ones((width,), jnp.float32))
+
+    def inputs(self, x: jax.Array, precision=None) -> CompressorInput:
+        """a_t and z_t (without ape) for x [B, T, D]: [B, T, coff * width] each, fp32."""
+        return CompressorInput(kv=linear(x, self.kv_proj[...], precision),
+                               gate=linear(x, self.gate_proj[...], precision))
+
+    @property
+    def params(self) -> CompressorParams:
+        return CompressorParams(ape=self.ape[...], norm=self.norm[...])
+
+
+class Indexer(nnx.Module):
+    """The lightning indexer of a CSA layer (SPEC section 5): its query and head-weight
+    projections and its own overlapping compressor of width c."""
+
+    def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 bias_scale: float = 0.0):
+        c, n = config.index_head_dim, config.index_heads
+        self.q_b_proj = _projection(rngs, n * c, config.q_lora_rank, param_dtype)
+        self.weights_proj = _projection(rngs, n, config.hidden_size, param_dtype)
+        self.compressor = Compressor(config.hidden_size, c, config.csa_ratio, True, rngs=rngs,
+                                     param_dtype=param_dtype, bias_scale=bias_scale)
+
+
+class V4Attention(nnx.Module):
+    """One attention layer of kind SWA, CSA or HCA, reading and appending to the cache.
+
+    Args:
+      config: the attention geometry (shared by every layer of the model).
+      kind: this layer's kind.
+      rngs: random streams for the initial weights (projections N(0, 1/fan_in), norms 1).
+      param_dtype: storage dtype of the projection weights (norms, ape and sinks stay fp32).
+      bias_scale: std of the initial `ape` and `sinks` (0 = zeros, as transformers does).
+      precision: matmul precision of the projections (None = backend default).
+    """
+
+    def __init__(self, config: AttentionConfig, kind: LayerKind, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32, bias_scale: float = 0.0, precision=None):
+        D, H, hd = config.hidden_size, config.num_heads, config.head_dim
+        g, R = config.o_groups, config.o_lora_rank
+        self.config = config
+        self.kind = LayerKind(kind)
+        self.precision = precision
+        self.q_a_proj = _projection(rngs, config.q_lora_rank, D, param_dtype)
+        self.q_a_norm = nnx.Param(jnp.ones((config.q_lora_rank,), jnp.float32))
+        self.q_b_proj = _projection(rngs, H * hd, config.q_lora_rank, param_dtype)
+        self.kv_proj = _projection(rngs, hd, D, param_dtype)
+        self.kv_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
+        self.o_a_proj = _projection(rngs, g * R, H * hd // g, param_dtype)
+        self.o_b_proj = _projection(rngs, D, g * R, param_dtype)
+        self.sinks = _normal(rngs, (H,), bias_scale, jnp.float32)
+        compressed = self.kind != LayerKind.SWA
+        self.compressor = nnx.data(Compressor(
+            D, hd, config.ratio(self.kind), self.kind == LayerKind.CSA, rngs=rngs,
+            param_dtype=param_dtype, bias_scale=bias_scale) if compressed else None)
+        self.indexer = nnx.data(Indexer(config, rngs=rngs, param_dtype=param_dtype,
+                                        bias_scale=bias_scale)
+                                if self.kind == LayerKind.CSA else None)
+
+    def vectors(self, x: jax.Array, positions: jax.Array
+                ) -> tuple[step.LayerVectors, Queries, step.LayerParams]:
+        """The per-token vectors of SPEC section 2 for x [B, T, D] at positions i32[B, T]."""
+        config, p = self.config, self.precision
+        B, T, _ = x.shape
+        inv_freq = rope.inv_frequencies(config, self.kind)
+        eps = config.rms_eps
+        q_residual = rms_norm(linear(x, self.q_a_proj[...], p), self.q_a_norm[...], eps)
+        q = linear(q_residual, self.q_b_proj[...], p).reshape(B, T, config.num_heads,
+                                                              config.head_dim)
+        q = rope.rotate(rms_norm(q, None, eps), positions[..., None], inv_freq)
+        kv = rms_norm(linear(x, self.kv_proj[...], p), self.kv_norm[...], eps)
+        kv = rope.rotate(kv, positions, inv_freq)
+        queries = Queries(q=q, sink=self.sinks[...])
+        vectors = step.LayerVectors(window=kv)
+        params = step.LayerParams()
+        if self.compressor is not None:
+            vectors = vectors.replace(compressor=self.compressor.inputs(x, p))
+            params = params.replace(compressor=self.compressor.params)
+        if self.indexer is not None:
+            idx = self.indexer
+            index_q = linear(q_residual, idx.q_b_proj[...], p).reshape(
+                B, T, config.index_heads, config.index_head_dim)
+            queries = queries.replace(
+                index_q=rope.rotate(index_q, positions[..., None], inv_freq),
+                index_weights=linear(x, idx.weights_proj[...], p))
+            vectors = vectors.replace(index_compressor=idx.compressor.inputs(x, p))
+            params = params.replace(index_compressor=idx.compressor.params)
+        return vectors, queries, params
+
+    def __call__(self, x: jax.Array, cache: Cache, plan: step.AppendPlan, ref: step.LayerRef
+                 ) -> tuple[Cache, jax.Array]:
+        """Appends the chunk x [B, T, D] to this layer's cache and attends.
+
+        Args:
+          x: hidden states (already normed by the caller) of the chunk's tokens; rows past a
+            slot's `plan.n_new` are padding.
+          cache: the cache after `step.begin_append`.
+          plan: from `step.begin_append` (positions come from it).
+          ref: this layer in the cache (`step.LayerRef`, indices may be traced).
+
+        Returns:
+          (cache, f32[B, T, D]) the layer output (no residual).
+        """
+        if ref.kind != self.kind:
+            raise ValueError(f"ref.kind={ref.kind.name} does not match the module's kind "
+                             f"{self.kind.name}")
+        vectors, queries, params = self.vectors(x, plan.positions(x.shape[1]))
+        cache, o = step.layer_step(cache, plan, ref, vectors, queries, params)
+        return cache, output_projection(o, self.o_a_proj[...].astype(jnp.float32),
+                                        self.o_b_proj[...].astype(jnp.float32),
+                                        self.config.o_groups)

@@ -1,0 +1,206 @@
+"""Jitted generation over a batch of prompts of different lengths: chunked prefill, then decode.
+
+The whole loop is ONE jitted function: a `fori_loop` over prefill chunks (its trip count is
+the longest prompt, in chunks, a runtime value) followed by a `while_loop` of decode steps
+(it stops early once every row has produced `eos_id`). Shapes depend only on the static
+settings (batch = `max_slots`, prompt buffer `max_prompt_len`, `prefill_chunk`,
+`max_new_tokens`), so every prompt length and every batch of up to `max_slots` prompts runs
+the same compiled program.
+
+The model is split once (`nnx.split`); its params and the cache are arguments of the jitted
+function, the cache donated, so the step updates the pools in place.
+
+    gen = Generator(model, geometry, max_prompt_len=256, max_new_tokens=32)
+    out = gen.generate([[5, 7, 1], [2, 2, 9, 4, 4]], temperature=0.0)   # greedy
+    out.tokens    # i32[B, max_new_tokens], -1 after a row's last token
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from v4kv_jax import pools
+from v4kv_jax.config import CacheConfig
+from v4kv_jax.nn.model import Decoder
+from v4kv_jax.pools import Cache, SlotStatus
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
+    """i32[B]: argmax where temperature <= 0, else a draw from softmax(logits / temperature)."""
+    t = jnp.maximum(temperature, 1e-6)
+    drawn = jax.random.categorical(key, logits / t, axis=-1)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+
+
+def _fresh_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
+    """Releases the pages of every slot in slot_ids and starts an empty sequence in each."""
+    for b in range(slot_ids.shape[0]):
+        cache = pools.reset_slot(pools.release_slot(cache, slot_ids[b]), slot_ids[b])
+    return cache
+
+
+def _generate(graphdef, params, cache: Cache, prompts: jax.Array, prompt_lengths: jax.Array,
+              key: jax.Array, temperature: jax.Array, eos_id: jax.Array, *,
+              max_new_tokens: int, prefill_chunk: int):
+    model = nnx.merge(graphdef, params)
+    batch, buffer = prompts.shape
+    slot_ids = jnp.arange(batch, dtype=jnp.int32)
+    cache = _fresh_slots(cache, slot_ids)
+    rows = jnp.arange(batch)
+
+    def prefill(i, carry):
+        cache, last = carry
+        start = i * prefill_chunk
+        chunk = jax.lax.dynamic_slice_in_dim(prompts, start, prefill_chunk, axis=1)
+        n_new = jnp.clip(prompt_lengths - start, 0, prefill_chunk)
+        cache, h = model.hidden(chunk, cache, slot_ids, n_new)
+        at = prompt_lengths - 1 - start
+        here = (at >= 0) & (at < prefill_chunk)
+        last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
+        return cache, last
+
+    trips = (jnp.max(prompt_lengths) + prefill_chunk - 1) // prefill_chunk
+    last = jnp.zeros((batch, model.config.attention.hidden_size), jnp.float32)
+    cache, last = jax.lax.fori_loop(0, trips, prefill, (cache, last))
+
+    active = prompt_lengths > 0
+    key, sub = jax.random.split(key)
+    token = jnp.where(active, sample(model.logits(last), sub, temperature), -1)
+    out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(token)
+    done = ~active | (token == eos_id)
+
+    def cond(state):
+        i, _, _, done, _, _ = state
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def decode(state):
+        i, cache, token, done, out, key = state
+        cache, h = model.hidden(jnp.maximum(token, 0)[:, None], cache, slot_ids,
+                                (~done).astype(jnp.int32))
+        key, sub = jax.random.split(key)
+        nxt = jnp.where(done, -1, sample(model.logits(h[:, 0]), sub, temperature))
+        out = out.at[:, i].set(nxt)
+        return i + 1, cache, nxt, done | (nxt == eos_id), out, key
+
+    _, cache, _, _, out, _ = jax.lax.while_loop(
+        cond, decode, (jnp.int32(1), cache, token, done, out, key))
+    return cache, out
+
+
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "max_new_tokens",
+                                                     "prefill_chunk"),
+                        donate_argnames=("cache",))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """tokens: i32[B, max_new_tokens] (-1 after a row's last token); lengths: i32[B] tokens
+    generated per row (up to and including `eos_id`)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+    def as_lists(self) -> list[list[int]]:
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
+
+
+class Generator:
+    """Generates from a `Decoder` with its own cache of `geometry.max_slots` slots.
+
+    Args:
+      model: the decoder (split once here; later changes to it are not seen).
+      geometry: the cache geometry; `max_slots` is the batch, and every slot must hold
+        `max_prompt_len + max_new_tokens` tokens (`max_seq_len`) and its pages must fit.
+      max_prompt_len: the longest prompt (the prompt buffer, rounded up to whole chunks).
+      max_new_tokens: tokens generated per prompt (fewer for a row that emits `eos_id`).
+      prefill_chunk: tokens per prefill step.
+    """
+
+    def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
+                 max_new_tokens: int, prefill_chunk: int = 128):
+        if min(max_prompt_len, max_new_tokens, prefill_chunk) <= 0:
+            raise ValueError(f"max_prompt_len={max_prompt_len}, max_new_tokens={max_new_tokens} "
+                             f"and prefill_chunk={prefill_chunk} must be positive")
+        need = max_prompt_len + max_new_tokens
+        if need > geometry.max_seq_len:
+            raise ValueError(f"max_prompt_len + max_new_tokens = {need} exceeds the cache's "
+                             f"max_seq_len={geometry.max_seq_len}")
+        self.config = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.cache = pools.init_cache(model.config.attention, geometry)
+        self.max_new_tokens = max_new_tokens
+        self.prefill_chunk = min(prefill_chunk, max_prompt_len)
+        self.buffer = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
+        self.max_prompt_len = max_prompt_len
+
+    @property
+    def geometry(self) -> CacheConfig:
+        return self.cache.geometry
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
+                 seed: int = 0, eos_id: int | None = None) -> GenerationResult:
+        """Generates for up to `max_slots` prompts of 1..max_prompt_len tokens each.
+
+        Args:
+          prompts: token ids per prompt.
+          temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+          seed: the sampling seed.
+          eos_id: a token that ends a row (it is included in the row's output).
+        """
+        batch = self.geometry.max_slots
+        if not 1 <= len(prompts) <= batch:
+            raise ValueError(f"got {len(prompts)} prompts; the cache has max_slots={batch}")
+        V = self.config.vocab_size
+        buf = np.zeros((batch, self.buffer), np.int32)
+        lengths = np.zeros((batch,), np.int32)
+        for b, p in enumerate(prompts):
+            p = np.asarray(p, np.int64).reshape(-1)
+            if not 1 <= p.size <= self.max_prompt_len:
+                raise ValueError(f"prompt {b} has {p.size} tokens; expected 1.."
+                                 f"{self.max_prompt_len} (max_prompt_len)")
+            if p.min() < 0 or p.max() >= V:
+                raise ValueError(f"prompt {b} holds token ids outside [0, vocab_size={V})")
+            buf[b, :p.size] = p
+            lengths[b] = p.size
+        self.cache, out = self._run(buf, lengths, temperature, seed, eos_id)
+        out = np.asarray(out)[:len(prompts)]
+        status = np.asarray(self.cache.state.status)[:len(prompts)]
+        bad = [b for b, s in enumerate(status) if s not in (SlotStatus.ACTIVE, SlotStatus.FREE)]
+        if bad:
+            raise RuntimeError(
+                f"prompts {bad} could not append ({[SlotStatus(int(status[b])).name for b in bad]}"
+                f"): the Classical pool has {self.geometry.num_pages} pages for "
+                f"{batch} slots; grow num_pages")
+        return GenerationResult(tokens=out, lengths=np.sum(out >= 0, axis=1).astype(np.int32))
+
+    def _run(self, buf, lengths, temperature, seed, eos_id):
+        return _generate_jit(
+            self.graphdef, self.params, self.cache, jnp.asarray(buf), jnp.asarray(lengths),
+            jax.random.PRNGKey(seed), jnp.float32(temperature),
+            jnp.int32(-1 if eos_id is None else eos_id),
+            max_new_tokens=self.max_new_tokens, prefill_chunk=self.prefill_chunk)
+
+    def memory_report(self) -> pools.MemoryReport:
+        return pools.memory_report(self.cache)
+
+    @staticmethod
+    def compiled_programs() -> int:
+        """How many programs the jitted loop has compiled (all generators together)."""
+        return _generate_jit._cache_size()
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def forward(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
+            n_new: jax.Array) -> tuple[Cache, jax.Array]:
+    """One jitted model call (prefill chunk or decode step): (cache, logits f32[B, T, V]).
+
+    `graphdef, params = nnx.split(model)` once; the cache is donated.
+    """
+    return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new)

@@ -1,0 +1,253 @@
+"""A small decoder built from `V4Attention` layers: embedding, residual blocks, final norm, LM head.
+
+Each block is `x + attn(RMSNorm(x))`, then `x + mlp(RMSNorm(x))` with a dense SwiGLU MLP
+(`mlp_hidden=0` leaves the MLP out: an attention-only stack). DeepSeek-V4's MoE and its
+hyper-connections (several residual streams mixed per block) are out of scope: this model
+exists to run V4 attention and its cache end to end, not to load a whole V4 checkpoint
+(its attention layers do load, see `load_attention`).
+
+Layer layout: the kinds (from `compress_ratios`) are cut into groups of a repeated pattern,
+e.g. V4-Flash = [SWA] x 2, [CSA, HCA] x 20, [CSA] x 1. Each pattern position of a group holds
+ONE `Block` whose params are stacked over the repeats ([repeats, ...] leaves), which is the
+layout `lax.scan` iterates over: the program holds one copy of each pattern position, so
+compile time does not grow with depth, and the scan reads the stacked params in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from v4kv_jax import step
+from v4kv_jax.compressor import rms_norm
+from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax.interop import convert, names
+from v4kv_jax.nn.attention import V4Attention, linear
+from v4kv_jax.pools import Cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Geometry of the decoder.
+
+    Attributes:
+      attention: the attention layers (their number and kinds come from `compress_ratios`).
+      vocab_size: V.
+      mlp_hidden: width of the SwiGLU MLP of each block; 0 = no MLP.
+      tie_embeddings: use the embedding as the LM head.
+    """
+
+    attention: AttentionConfig
+    vocab_size: int = 256
+    mlp_hidden: int = 0
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.vocab_size <= 0:
+            raise ValueError(f"vocab_size={self.vocab_size} must be positive")
+        if self.mlp_hidden < 0:
+            raise ValueError(f"mlp_hidden={self.mlp_hidden} must be >= 0")
+
+    @property
+    def num_layers(self) -> int:
+        return self.attention.num_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerGroup:
+    """Layers `first .. first + len(pattern) * repeats - 1`: `pattern` repeated `repeats` times."""
+
+    first: int
+    pattern: tuple[LayerKind, ...]
+    repeats: int
+
+    def layers(self, position: int) -> tuple[int, ...]:
+        """Global indices of pattern position `position`, one per repeat."""
+        p = len(self.pattern)
+        return tuple(self.first + r * p + position for r in range(self.repeats))
+
+
+def layer_groups(kinds, max_period: int = 4) -> tuple[LayerGroup, ...]:
+    """Cuts a kind sequence into repeated patterns, greedily taking at each layer the period
+    that repeats and covers the most layers (the shortest on ties); a layer that starts no
+    repetition is a group of its own."""
+    kinds = tuple(LayerKind(k) for k in kinds)
+    groups, i = [], 0
+    while i < len(kinds):
+        best = (1, 1)  # (period, repeats)
+        for p in range(1, max_period + 1):
+            pattern = kinds[i:i + p]
+            if len(pattern) < p:
+                break
+            r = 1
+            while kinds[i + r * p:i + (r + 1) * p] == pattern:
+                r += 1
+            if r > 1 and r * p > best[0] * best[1]:
+                best = (p, r)
+        p, r = best
+        groups.append(LayerGroup(i, kinds[i:i + p], r))
+        i += p * r
+    return tuple(groups)
+
+
+class MLP(nnx.Module):
+    """Dense SwiGLU: down_proj(silu(gate_proj x) * up_proj x); weights [out, in]."""
+
+    def __init__(self, hidden: int, width: int, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        def w(o, i):
+            return nnx.Param((i**-0.5 * jax.random.normal(rngs.params(), (o, i))).astype(
+                param_dtype))
+
+        self.gate_proj = w(width, hidden)
+        self.up_proj = w(width, hidden)
+        self.down_proj = w(hidden, width)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jax.nn.silu(linear(x, self.gate_proj[...])) * linear(x, self.up_proj[...])
+        return linear(h, self.down_proj[...])
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(RMSNorm(x)), then x + mlp(RMSNorm(x))."""
+
+    def __init__(self, config: ModelConfig, kind: LayerKind, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32, bias_scale: float = 0.0):
+        D = config.attention.hidden_size
+        self.eps = config.attention.rms_eps
+        self.attn_norm = nnx.Param(jnp.ones((D,), jnp.float32))
+        self.attn = V4Attention(config.attention, kind, rngs=rngs, param_dtype=param_dtype,
+                                bias_scale=bias_scale)
+        with_mlp = config.mlp_hidden > 0
+        self.mlp_norm = nnx.data(nnx.Param(jnp.ones((D,), jnp.float32)) if with_mlp else None)
+        self.mlp = nnx.data(MLP(D, config.mlp_hidden, rngs=rngs, param_dtype=param_dtype)
+                            if with_mlp else None)
+
+    def __call__(self, x: jax.Array, cache: Cache, plan: step.AppendPlan, ref: step.LayerRef
+                 ) -> tuple[Cache, jax.Array]:
+        cache, a = self.attn(rms_norm(x, self.attn_norm[...], self.eps), cache, plan, ref)
+        x = x + a
+        if self.mlp is not None:
+            x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+        return cache, x
+
+
+def _stack(modules: list[nnx.Module]) -> nnx.Module:
+    """One module whose every array leaf is the stack of the modules' leaves ([n, ...])."""
+    graphdef, *_ = nnx.split(modules[0])
+    states = [nnx.split(m)[1] for m in modules]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+class Decoder(nnx.Module):
+    """Embedding -> blocks (kinds from `compress_ratios`) -> final RMSNorm -> LM head.
+
+    Args:
+      config: the model geometry.
+      rngs: random streams; `nnx.Rngs(seed)` gives a reproducible random init.
+      param_dtype: storage dtype of the projection weights.
+      bias_scale: std of the attention layers' initial `ape` and sinks (0 = zeros).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
+                 bias_scale: float = 0.0):
+        att = config.attention
+        D, V = att.hidden_size, config.vocab_size
+        self.config = config
+        self.layout = layer_groups(att.layer_kinds)
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, D)).astype(param_dtype))
+        self.groups = nnx.List([
+            nnx.List([
+                _stack([Block(config, kind, rngs=rngs, param_dtype=param_dtype,
+                              bias_scale=bias_scale) for _ in range(group.repeats)])
+                for kind in group.pattern])
+            for group in self.layout])
+        self.norm = nnx.Param(jnp.ones((D,), jnp.float32))
+        self.lm_head = nnx.data(None if config.tie_embeddings else nnx.Param(
+            (D**-0.5 * jax.random.normal(rngs.params(), (V, D))).astype(param_dtype)))
+
+    # --- forward ---------------------------------------------------------------------------
+
+    def layers(self, x: jax.Array, cache: Cache, plan: step.AppendPlan
+               ) -> tuple[Cache, jax.Array]:
+        """Runs every block over x [B, T, D] (the residual stream), appending to the cache.
+
+        One `lax.scan` per layer group; the cache and the residual stream are its carry.
+        """
+        att = self.config.attention
+        for group, blocks in zip(self.layout, self.groups, strict=True):
+            split = [nnx.split(b) for b in blocks]
+            refs = [(np.asarray(group.layers(j), np.int32),
+                     np.asarray([att.kind_index(i) for i in group.layers(j)], np.int32))
+                    for j in range(len(group.pattern))]
+
+            def body(carry, xs, group=group, split=split):
+                cache, h = carry
+                for j, kind in enumerate(group.pattern):
+                    state, (layer, kind_layer) = xs[j]
+                    block = nnx.merge(split[j][0], state)
+                    cache, h = block(h, cache, plan, step.LayerRef(layer, kind_layer, kind))
+                return (cache, h), None
+
+            xs = [(state, ref) for (_, state), ref in zip(split, refs, strict=True)]
+            (cache, x), _ = jax.lax.scan(body, (cache, x), xs)
+        return cache, x
+
+    def hidden(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array
+               ) -> tuple[Cache, jax.Array]:
+        """Appends a chunk of tokens and returns the final-normed hidden states.
+
+        Args:
+          tokens: i32[B, T]; row b's first n_new[b] tokens are appended to slot slot_ids[b],
+            the rest are padding.
+          cache: the cache.
+          slot_ids: i32[B] distinct active slots.
+          n_new: i32[B] in [0, T].
+
+        Returns:
+          (cache, f32[B, T, D]); a slot that could not get its pages appends nothing and is
+          flagged in `cache.state.status` (see `v4kv_jax.pools.SlotStatus`).
+        """
+        cache, plan = step.begin_append(cache, slot_ids, n_new, tokens.shape[1])
+        x = self.embed[...][tokens].astype(jnp.float32)
+        cache, x = self.layers(x, cache, plan)
+        cache = step.end_append(cache, plan)
+        return cache, rms_norm(x, self.norm[...], self.config.attention.rms_eps)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """f32[..., V] from final hidden states [..., D]."""
+        head = self.embed if self.lm_head is None else self.lm_head
+        return linear(h, head[...])
+
+    def __call__(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array
+                 ) -> tuple[Cache, jax.Array]:
+        """(cache, logits f32[B, T, V]) for a chunk; see `hidden`."""
+        cache, h = self.hidden(tokens, cache, slot_ids, n_new)
+        return cache, self.logits(h)
+
+    # --- per-layer access (weights loading and export) ------------------------------------
+
+    def _locate(self, layer: int) -> tuple[Block, int]:
+        for group, blocks in zip(self.layout, self.groups, strict=True):
+            for j in range(len(group.pattern)):
+                if layer in group.layers(j):
+                    return blocks[j], group.layers(j).index(layer)
+        raise ValueError(f"layer={layer} must be in [0, {self.config.num_layers})")
+
+    def attention_params(self, layer: int) -> dict[str, np.ndarray]:
+        """{V4Attention path: array} of layer `layer` (see `v4kv_jax.interop.names`)."""
+        stacked, r = self._locate(layer)
+        return {k: v[r] for k, v in convert.attention_state(stacked.attn).items()}
+
+    def load_attention(self, layer: int, params) -> None:
+        """Writes one layer's attention params {V4Attention path: array} (all of them)."""
+        stacked, r = self._locate(layer)
+        shapes = names.expected_shapes(self.config.attention, stacked.attn.kind)
+        convert.check_layer_params(params, shapes, stacked.attn.kind, where=f"layer {layer}")
+        for path, value in params.items():
+            param = convert.param_at(stacked.attn, path)
+            current = param[...]
+            param[...] = current.at[r].set(jnp.asarray(value, current.dtype))
