@@ -13,8 +13,7 @@ import v4kv_jax as v4
 from v4kv_jax.config import LayerKind
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward, layer_groups
 
-from conftest import MODEL
-
+MODEL = v4.tiny(index_heads=16)  # all three kinds; enough indexer heads to avoid score ties
 CONFIG = ModelConfig(MODEL, vocab_size=48, mlp_hidden=80)
 GEOMETRY = v4.CacheConfig(num_pages=12, max_slots=3, max_pages_per_seq=2, query_tile=16)
 MAX_PROMPT, MAX_NEW, CHUNK = 90, 12, 32
@@ -189,3 +188,29 @@ def test_logits_shape_and_tied_embeddings():
                     jnp.arange(1), jnp.asarray([4]))
     assert lg.shape == (1, 4, 16) and bool(jnp.isfinite(lg).all())
     assert jax.tree.leaves(params)  # params are plain arrays once split
+
+
+def test_grouped_output_equals_the_reference_projection():
+    from v4kv_jax.attention import output_projection
+    from v4kv_jax.nn.attention import grouped_output
+
+    rng = np.random.default_rng(0)
+    H, hd, g, R, D = MODEL.num_heads, MODEL.head_dim, MODEL.o_groups, MODEL.o_lora_rank, 24
+    o = jnp.asarray(rng.standard_normal((2, 3, H, hd)), jnp.float32)
+    w_oa = jnp.asarray(rng.standard_normal((g * R, H * hd // g)), jnp.float32)
+    w_ob = jnp.asarray(rng.standard_normal((D, g * R)), jnp.float32)
+    np.testing.assert_allclose(grouped_output(o, w_oa, w_ob, g),
+                               output_projection(o, w_oa, w_ob, g), rtol=1e-5, atol=1e-5)
+
+
+def test_unrolled_layers_hold_one_block_per_layer(model):
+    unrolled = Decoder(CONFIG, rngs=nnx.Rngs(0), scan_layers=False)
+    assert [(g.first, g.repeats) for g in unrolled.layout] == [(i, 1) for i in range(5)]
+    assert unrolled.groups[1][0].attn.q_a_proj[...].shape == (MODEL.q_lora_rank,
+                                                               MODEL.hidden_size)
+    for layer in range(MODEL.num_layers):
+        unrolled.load_attention(layer, model.attention_params(layer))
+        np.testing.assert_array_equal(unrolled.attention_params(layer)["sinks"],
+                                      model.attention_params(layer)["sinks"])
+    with pytest.raises(ValueError, match=r"layer 2 has no MLP"):
+        Decoder(ModelConfig(MODEL, vocab_size=8), rngs=nnx.Rngs(0)).set_norm(2, mlp_norm=1.0)

@@ -126,18 +126,19 @@ def test_hca_at_the_real_ratio_128():
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
 
 
-def test_attention_stack_matches_transformers():
+@pytest.mark.parametrize("scan_layers", [True, False], ids=["scan", "unrolled"])
+def test_attention_stack_matches_transformers(scan_layers):
     """The Decoder's attention-only stack (x -> x + attn(RMSNorm(x)) per layer, scanned over
-    layer groups) against the same stack of transformers layers, chunked."""
+    layer groups or unrolled) against the same stack of transformers layers, chunked."""
     config = v4.tiny(index_heads=16, hca_ratio=16, window=16,
                      compress_ratios=(0, 4, 16, 4, 16, 4))
     ref = TransformersAttention(config, residual=True)
     ref.randomize(seed=3)
-    model = Decoder(ModelConfig(config, vocab_size=8), rngs=nnx.Rngs(0))
+    model = Decoder(ModelConfig(config, vocab_size=8), rngs=nnx.Rngs(0),
+                    scan_layers=scan_layers)
     for layer in range(config.num_layers):
         model.load_attention(layer, ref.attention_params(layer))
-        stacked, r = model._locate(layer)
-        stacked.attn_norm[...] = stacked.attn_norm[...].at[r].set(ref.norm_weight(layer))
+        model.set_norm(layer, attn_norm=ref.norm_weight(layer))
     x = np.random.default_rng(3).standard_normal((2, 90, config.hidden_size)).astype(np.float32)
     chunks = [40, 17, 32, 1]
     want = ref.run_chunks(x, chunks)

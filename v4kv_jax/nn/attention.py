@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from v4kv_jax import rope, step
-from v4kv_jax.attention import Queries, output_projection
+from v4kv_jax.attention import Queries
 from v4kv_jax.compressor import CompressorInput, CompressorParams, rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind
 from v4kv_jax.pools import Cache
@@ -46,6 +46,27 @@ def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
     """x [..., in] @ weight[out, in].T in fp32: [..., out]."""
     return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), weight.astype(jnp.float32),
                       precision=precision)
+
+
+def grouped_output(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int,
+                   precision=None) -> jax.Array:
+    """The grouped output projection of SPEC section 6 (same result as
+    `v4kv_jax.attention.output_projection`), as two matmuls with the group as the leading
+    batch axis, which XLA runs without transposing the weights.
+
+    Args:
+      o: [..., H, hd]; w_oa: [g R, H hd / g]; w_ob: [D, g R].
+
+    Returns:
+      f32[..., D].
+    """
+    lead = o.shape[:-2]
+    per_group = o.shape[-2] * o.shape[-1] // groups
+    x = o.reshape(-1, groups, per_group).astype(jnp.float32).transpose(1, 0, 2)
+    y = jnp.einsum("gni,gri->gnr", x, w_oa.reshape(groups, -1, per_group).astype(jnp.float32),
+                   precision=precision)
+    w = w_ob.reshape(w_ob.shape[0], groups, -1).astype(jnp.float32)
+    return jnp.einsum("gnr,dgr->nd", y, w, precision=precision).reshape(*lead, -1)
 
 
 class Compressor(nnx.Module):
@@ -172,6 +193,5 @@ class V4Attention(nnx.Module):
                              f"{self.kind.name}")
         vectors, queries, params = self.vectors(x, plan.positions(x.shape[1]))
         cache, o = step.layer_step(cache, plan, ref, vectors, queries, params)
-        return cache, output_projection(o, self.o_a_proj[...].astype(jnp.float32),
-                                        self.o_b_proj[...].astype(jnp.float32),
-                                        self.config.o_groups)
+        return cache, grouped_output(o, self.o_a_proj[...], self.o_b_proj[...],
+                                     self.config.o_groups, self.precision)

@@ -6,11 +6,17 @@ hyper-connections (several residual streams mixed per block) are out of scope: t
 exists to run V4 attention and its cache end to end, not to load a whole V4 checkpoint
 (its attention layers do load, see `load_attention`).
 
-Layer layout: the kinds (from `compress_ratios`) are cut into groups of a repeated pattern,
-e.g. V4-Flash = [SWA] x 2, [CSA, HCA] x 20, [CSA] x 1. Each pattern position of a group holds
-ONE `Block` whose params are stacked over the repeats ([repeats, ...] leaves), which is the
-layout `lax.scan` iterates over: the program holds one copy of each pattern position, so
-compile time does not grow with depth, and the scan reads the stacked params in place.
+Layer layout (`scan_layers=True`, the default): the kinds (from `compress_ratios`) are cut
+into groups of a repeated pattern, e.g. V4-Flash = [SWA] x 2, [CSA, HCA] x 20, [CSA] x 1. Each
+pattern position of a group holds ONE `Block` whose params are stacked over the repeats
+([repeats, ...] leaves), the layout `lax.scan` iterates over: the program holds one copy of
+each pattern position, so compile time does not grow with depth.
+
+`scan_layers=False` keeps one unstacked `Block` per layer and unrolls the layers in the
+program: compile time grows with depth, but each layer reads its weights where they are. On
+CPU the scan's per-iteration slices of the stacked weights are copies, which for a decode
+step (memory-bound) costs about as much again as the weights themselves; measured on the
+8-layer config S of `benchmarks/model.py` at 4k context: 13.2 ms scanned, 7.4 ms unrolled.
 """
 
 from __future__ import annotations
@@ -150,20 +156,29 @@ class Decoder(nnx.Module):
       rngs: random streams; `nnx.Rngs(seed)` gives a reproducible random init.
       param_dtype: storage dtype of the projection weights.
       bias_scale: std of the attention layers' initial `ape` and sinks (0 = zeros).
+      scan_layers: scan over layer groups with stacked params (True) or unroll the layers
+        with one block per layer (False); see the module docstring.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 bias_scale: float = 0.0):
+                 bias_scale: float = 0.0, scan_layers: bool = True):
         att = config.attention
         D, V = att.hidden_size, config.vocab_size
         self.config = config
-        self.layout = layer_groups(att.layer_kinds)
+        self.scan_layers = scan_layers
+        if scan_layers:
+            self.layout = layer_groups(att.layer_kinds)
+        else:
+            self.layout = tuple(LayerGroup(i, (k,), 1) for i, k in enumerate(att.layer_kinds))
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, D)).astype(param_dtype))
+
+        def blocks(kind, n):
+            made = [Block(config, kind, rngs=rngs, param_dtype=param_dtype,
+                          bias_scale=bias_scale) for _ in range(n)]
+            return _stack(made) if scan_layers else made[0]
+
         self.groups = nnx.List([
-            nnx.List([
-                _stack([Block(config, kind, rngs=rngs, param_dtype=param_dtype,
-                              bias_scale=bias_scale) for _ in range(group.repeats)])
-                for kind in group.pattern])
+            nnx.List([blocks(kind, group.repeats) for kind in group.pattern])
             for group in self.layout])
         self.norm = nnx.Param(jnp.ones((D,), jnp.float32))
         self.lm_head = nnx.data(None if config.tie_embeddings else nnx.Param(
@@ -175,9 +190,16 @@ class Decoder(nnx.Module):
                ) -> tuple[Cache, jax.Array]:
         """Runs every block over x [B, T, D] (the residual stream), appending to the cache.
 
-        One `lax.scan` per layer group; the cache and the residual stream are its carry.
+        One `lax.scan` per layer group (the cache and the residual stream are its carry), or
+        one layer after the other with `scan_layers=False`.
         """
         att = self.config.attention
+        if not self.scan_layers:
+            for group, (block,) in zip(self.layout, self.groups, strict=True):
+                ref = step.LayerRef(jnp.int32(group.first),
+                                    jnp.int32(att.kind_index(group.first)), group.pattern[0])
+                cache, x = block(x, cache, plan, ref)
+            return cache, x
         for group, blocks in zip(self.layout, self.groups, strict=True):
             split = [nnx.split(b) for b in blocks]
             refs = [(np.asarray(group.layers(j), np.int32),
@@ -230,24 +252,44 @@ class Decoder(nnx.Module):
 
     # --- per-layer access (weights loading and export) ------------------------------------
 
-    def _locate(self, layer: int) -> tuple[Block, int]:
+    def _locate(self, layer: int) -> tuple[Block, int | None]:
+        """The block holding `layer` and its index in the stack (None when unstacked)."""
         for group, blocks in zip(self.layout, self.groups, strict=True):
             for j in range(len(group.pattern)):
                 if layer in group.layers(j):
-                    return blocks[j], group.layers(j).index(layer)
+                    return blocks[j], (group.layers(j).index(layer) if self.scan_layers
+                                       else None)
         raise ValueError(f"layer={layer} must be in [0, {self.config.num_layers})")
 
     def attention_params(self, layer: int) -> dict[str, np.ndarray]:
         """{V4Attention path: array} of layer `layer` (see `v4kv_jax.interop.names`)."""
-        stacked, r = self._locate(layer)
-        return {k: v[r] for k, v in convert.attention_state(stacked.attn).items()}
+        block, r = self._locate(layer)
+        state = convert.attention_state(block.attn)
+        return state if r is None else {k: v[r] for k, v in state.items()}
 
     def load_attention(self, layer: int, params) -> None:
         """Writes one layer's attention params {V4Attention path: array} (all of them)."""
-        stacked, r = self._locate(layer)
-        shapes = names.expected_shapes(self.config.attention, stacked.attn.kind)
-        convert.check_layer_params(params, shapes, stacked.attn.kind, where=f"layer {layer}")
+        block, r = self._locate(layer)
+        shapes = names.expected_shapes(self.config.attention, block.attn.kind)
+        convert.check_layer_params(params, shapes, block.attn.kind, where=f"layer {layer}")
         for path, value in params.items():
-            param = convert.param_at(stacked.attn, path)
+            param = convert.param_at(block.attn, path)
             current = param[...]
-            param[...] = current.at[r].set(jnp.asarray(value, current.dtype))
+            value = jnp.asarray(value, current.dtype)
+            param[...] = value if r is None else current.at[r].set(value)
+
+    def set_norm(self, layer: int, attn_norm=None, mlp_norm=None) -> None:
+        """Sets the weights of layer `layer`'s pre-attention and pre-MLP RMSNorms."""
+        block, r = self._locate(layer)
+        for param, value in ((block.attn_norm, attn_norm), (block.mlp_norm, mlp_norm)):
+            if value is None:
+                continue
+            if param is None:
+                raise ValueError(f"layer {layer} has no MLP (mlp_hidden=0)")
+            current = param[...]
+            value = jnp.asarray(value, current.dtype)
+            want = current.shape if r is None else current.shape[1:]
+            if value.shape != want:
+                raise ValueError(f"norm weight of layer {layer} has shape {value.shape}; "
+                                 f"expected {want}")
+            param[...] = value if r is None else current.at[r].set(value)
