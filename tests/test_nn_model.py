@@ -3,6 +3,8 @@ generation against a recompute-everything reference, compile-once, sampling, err
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,3 +216,16 @@ def test_unrolled_layers_hold_one_block_per_layer(model):
                                       model.attention_params(layer)["sinks"])
     with pytest.raises(ValueError, match=r"layer 2 has no MLP"):
         Decoder(ModelConfig(MODEL, vocab_size=8), rngs=nnx.Rngs(0)).set_norm(2, mlp_norm=1.0)
+
+
+def test_demo_generation_step_prints_tokens_per_second(capsys):
+    import argparse
+
+    from v4kv_jax import cli
+
+    args = argparse.Namespace(vocab=32, seed=0, new_tokens=5, pages=8, chunk=32, unroll=True)
+    cli.generate(MODEL, np.asarray([40, 7]), args)
+    out = capsys.readouterr().out
+    assert "2 prompts of [40, 7] tokens, 5 new tokens each" in out
+    assert len([line for line in out.splitlines() if " -> [" in line]) == 2
+    assert re.search(r"Generation: [\d,]+ tokens/s end to end \(10 new tokens", out)
