@@ -128,7 +128,13 @@ class V4Stack:
 
 def projections_only(model: Decoder):
     """A jitted function running only the stack's projections (vectors and the grouped
-    output projection of every layer, with the query standing in for the attention output)."""
+    output projection of every layer, with the query standing in for the attention output),
+    layers unrolled."""
+    if model.scan_layers:
+        unrolled = Decoder(model.config, rngs=nnx.Rngs(0), scan_layers=False)
+        for layer in range(model.config.num_layers):
+            unrolled.load_attention(layer, model.attention_params(layer))
+        model = unrolled
     graphdef, params = nnx.split(model)
 
     def run(params, x):

@@ -51,8 +51,9 @@ def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
 def grouped_output(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int,
                    precision=None) -> jax.Array:
     """The grouped output projection of SPEC section 6 (same result as
-    `v4kv_jax.attention.output_projection`), as two matmuls with the group as the leading
-    batch axis, which XLA runs without transposing the weights.
+    `v4kv_jax.attention.output_projection`): a batched matmul with the group as the leading
+    batch axis, then one plain matmul; only activations are transposed, never the weights
+    (a transposed weight is a copy of it on every call).
 
     Args:
       o: [..., H, hd]; w_oa: [g R, H hd / g]; w_ob: [D, g R].
@@ -65,8 +66,8 @@ def grouped_output(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int,
     x = o.reshape(-1, groups, per_group).astype(jnp.float32).transpose(1, 0, 2)
     y = jnp.einsum("gni,gri->gnr", x, w_oa.reshape(groups, -1, per_group).astype(jnp.float32),
                    precision=precision)
-    w = w_ob.reshape(w_ob.shape[0], groups, -1).astype(jnp.float32)
-    return jnp.einsum("gnr,dgr->nd", y, w, precision=precision).reshape(*lead, -1)
+    y = y.transpose(1, 0, 2).reshape(y.shape[1], -1)
+    return linear(y, w_ob, precision).reshape(*lead, -1)
 
 
 class Compressor(nnx.Module):
