@@ -229,3 +229,20 @@ def test_demo_generation_step_prints_tokens_per_second(capsys):
     assert "2 prompts of [40, 7] tokens, 5 new tokens each" in out
     assert len([line for line in out.splitlines() if " -> [" in line]) == 2
     assert re.search(r"Generation: [\d,]+ tokens/s end to end \(10 new tokens", out)
+
+
+def test_shape_and_config_mismatches_name_the_argument(model):
+    graphdef, params = nnx.split(model)
+    with pytest.raises(ValueError, match=r"tokens has shape \(4,\)"):
+        forward(graphdef, params, _fresh_cache(1), jnp.zeros((4,), jnp.int32), jnp.arange(1),
+                jnp.asarray([4]))
+    other = v4.init_cache(v4.tiny(index_heads=8), GEOMETRY)
+    with pytest.raises(ValueError, match="another attention config"):
+        forward(graphdef, params, other, jnp.zeros((1, 4), jnp.int32), jnp.arange(1),
+                jnp.asarray([4]))
+    from v4kv_jax.nn import V4Attention
+
+    layer = V4Attention(MODEL, LayerKind.SWA, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x has shape \(1, 2, 7\); expected \[B, T, "
+                                         r"hidden_size=64\]"):
+        layer.vectors(jnp.zeros((1, 2, 7)), jnp.zeros((1, 2), jnp.int32))

@@ -149,6 +149,12 @@ class V4Attention(nnx.Module):
                 ) -> tuple[step.LayerVectors, Queries, step.LayerParams]:
         """The per-token vectors of SPEC section 2 for x [B, T, D] at positions i32[B, T]."""
         config, p = self.config, self.precision
+        if x.ndim != 3 or x.shape[-1] != config.hidden_size:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, T, "
+                             f"hidden_size={config.hidden_size}]")
+        if positions.shape != x.shape[:2]:
+            raise ValueError(f"positions has shape {tuple(positions.shape)}; expected "
+                             f"{tuple(x.shape[:2])}")
         B, T, _ = x.shape
         inv_freq = rope.inv_frequencies(config, self.kind)
         eps = config.rms_eps

@@ -233,6 +233,11 @@ class Decoder(nnx.Module):
           (cache, f32[B, T, D]); a slot that could not get its pages appends nothing and is
           flagged in `cache.state.status` (see `v4kv_jax.pools.SlotStatus`).
         """
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens has shape {tuple(tokens.shape)} and dtype {tokens.dtype}; "
+                             "expected integer token ids [B, T]")
+        if cache.model != self.config.attention:
+            raise ValueError("the cache was built for another attention config than the model's")
         cache, plan = step.begin_append(cache, slot_ids, n_new, tokens.shape[1])
         x = self.embed[...][tokens].astype(jnp.float32)
         cache, x = self.layers(x, cache, plan)
