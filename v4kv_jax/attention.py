@@ -109,14 +109,13 @@ def _bucket_sizes(capacity: int, smallest: int) -> list[int]:
     return sizes + [capacity]
 
 
-def select_topk(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.Array, layer,
-                page_rows: jax.Array, queries: Queries, q_pos: jax.Array, kv_end: jax.Array
-                ) -> jax.Array:
-    """i32[B, T, k]: the lightning indexer's picks for each query (-1 = unused pick).
+def score_visible_keys(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.Array,
+                       layer, page_rows: jax.Array, queries: Queries, q_pos: jax.Array,
+                       kv_end: jax.Array) -> jax.Array:
+    """f32[B, T, capacity]: indexer score of every entry id, -inf where not a candidate.
 
-    Scores of the used pages are written into a buffer (invalid = -inf); one `lax.top_k`
-    then runs over the shortest power-of-two prefix that holds every valid entry, chosen at
-    run time by `lax.switch`, so both the scoring and the selection follow the context.
+    Scores of the used pages are written chunk by chunk into the row (the loop runs over used
+    pages only); capacity is the page-table length rounded up to whole read chunks.
 
     Args:
       index_keys: the Classical pool's indexer keys [n_csa, pages, P // m, c].
@@ -125,7 +124,7 @@ def select_topk(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.A
       q_pos: i32[B, T] query positions; kv_end: i32[B] tokens appended (entries beyond are
         never read).
     """
-    m, k = model.csa_ratio, model.index_topk
+    m = model.csa_ratio
     epp = geometry.entries_per_page(m)
     chunk_pages = geometry.read_chunk_pages(geometry.index_read_entries, m)
     batch, tokens = q_pos.shape
@@ -141,11 +140,26 @@ def select_topk(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.A
         scores = jnp.where(ok, scores, -jnp.inf)
         return jax.lax.dynamic_update_slice_in_dim(buf, scores, first, axis=2)
 
-    n_entries = kv_end // m
-    scores = paging.fold_page_chunks(
-        page_rows, n_entries, epp, chunk_pages, body,
+    return paging.fold_page_chunks(
+        page_rows, kv_end // m, epp, chunk_pages, body,
         jnp.full((batch, tokens, capacity), -jnp.inf, jnp.float32))
-    sizes = _bucket_sizes(capacity, epp)
+
+
+def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: int
+                   ) -> jax.Array:
+    """i32[B, T, k]: the top-k entry ids of a score row (-inf = not a candidate, -1 = unused).
+
+    One `lax.top_k` runs over the shortest power-of-two prefix (from `smallest` up) that holds
+    every entry id below max(num_entries), chosen at run time by `lax.switch`, so the
+    selection follows the context, not the capacity.
+
+    Args:
+      scores: f32[B, T, capacity].
+      num_entries: i32[B], entries written per row (ids at or past it are -inf).
+      k: picks per query.
+      smallest: the smallest prefix (one page of entries).
+    """
+    sizes = _bucket_sizes(scores.shape[-1], smallest)
 
     def top_of(size):
         def run(s):
@@ -157,16 +171,29 @@ def select_topk(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.A
             return tuple(jax.lax.top_k(s[..., :size], k))
         return run
 
-    need = jnp.max(n_entries)
+    need = jnp.max(num_entries)
     bucket = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
     best = jax.lax.switch(bucket, [top_of(size) for size in sizes], scores)
     return indexer.finish_topk(best)
 
 
+def select_topk(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.Array, layer,
+                page_rows: jax.Array, queries: Queries, q_pos: jax.Array, kv_end: jax.Array
+                ) -> jax.Array:
+    """i32[B, T, k]: the lightning indexer's picks for each query (-1 = unused pick).
+
+    `score_visible_keys` then `topk_of_scores`; arguments as in `score_visible_keys`.
+    """
+    scores = score_visible_keys(model, geometry, index_keys, layer, page_rows, queries, q_pos,
+                                kv_end)
+    return topk_of_scores(scores, kv_end // model.csa_ratio, model.index_topk,
+                          geometry.entries_per_page(model.csa_ratio))
+
+
 def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer,
            entries: jax.Array | None, index_keys: jax.Array | None, page_rows: jax.Array,
            queries: Queries, q_pos: jax.Array, kv_end: jax.Array, window_keys: jax.Array,
-           window_base: jax.Array) -> jax.Array:
+           window_base: jax.Array, picks: jax.Array | None = None) -> jax.Array:
     """Attention output of one layer before the output projection, de-rotated.
 
     Args:
@@ -182,6 +209,8 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
         never read (padded queries stay finite).
       window_keys: [B, Wk, hd], key i at position window_base + i.
       window_base: i32[B].
+      picks: CSA only: i32[B, T, k] entries already chosen by the indexer (-1 = none);
+        None runs `select_topk`.
 
     Returns:
       f32[B, T, H, hd].
@@ -213,8 +242,9 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
             page_rows, kv_end // m, epp, geometry.read_chunk_pages(geometry.hca_read_entries, m),
             body, state)
     elif kind == LayerKind.CSA:
-        picks = select_topk(model, geometry, index_keys, layer, page_rows, queries, q_pos,
-                            kv_end)
+        if picks is None:
+            picks = select_topk(model, geometry, index_keys, layer, page_rows, queries, q_pos,
+                                kv_end)
         page, row = paging.entry_pages(page_rows, picks, geometry.entries_per_page(
             model.csa_ratio))
         ok = (picks >= 0) & (page >= 0)

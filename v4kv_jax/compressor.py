@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import rope
-from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax import paging, rope
+from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -186,3 +186,56 @@ def pool_blocks(spec: CompressorSpec, config: AttentionConfig, tail_kv: jax.Arra
     pooled = jnp.sum(jnp.where(valid, weights * a, 0.0), axis=-2)
     entries = rms_norm(pooled, norm, config.rms_eps)
     return rope.rotate(entries, block * m, inv_freq)
+
+
+def _over_layers(fn, sequential: bool, *xs):
+    """Maps fn over a leading layer axis: vectorised for small chunks, one layer at a time for
+    large ones (bounded memory)."""
+    if sequential:
+        return jax.lax.map(lambda args: fn(*args), xs)
+    return jax.vmap(fn)(*xs)
+
+
+def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig,
+                 pool: jax.Array, page_rows: jax.Array, layers: jax.Array, tail_kv: jax.Array,
+                 tail_gate: jax.Array, slot_ids: jax.Array, kv: jax.Array, gate: jax.Array,
+                 start: jax.Array, n_new: jax.Array, norm: jax.Array) -> jax.Array:
+    """Pools every block the chunk completes and writes each entry into its page and row.
+
+    Blocks whose page is absent are dropped (nothing else is written).
+
+    Args:
+      pool: the compressor's Classical array [n_kind, num_pages, P // m, width].
+      page_rows: i32[B, max_pages_per_seq] of the batch's slots.
+      layers: i32[n] indices into the kind's stack.
+      tail_kv, tail_gate: the compressor's rings [n_kind, max_slots, ring, in_width], as
+        they were BEFORE this chunk.
+      slot_ids, start, n_new: i32[B] slot, length before the chunk, tokens appended.
+      kv, gate: f32[n, B, T, in_width], the chunk (gate already biased).
+      norm: f32[n, width].
+
+    Returns:
+      The updated pool.
+    """
+    tokens = kv.shape[2]
+    block, done = completed_blocks(spec, start, n_new, tokens)
+
+    def emit():
+        old_kv = tail_kv[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
+        old_gate = tail_gate[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
+        inv_freq = rope.inv_frequencies(config, spec.kind)
+
+        def one_layer(tkv, tgate, ckv, cgate, weight):
+            return pool_blocks(spec, config, tkv, tgate, ckv, cgate, start, block, weight,
+                               inv_freq)
+
+        return _over_layers(one_layer, tokens > spec.ratio, old_kv, old_gate, kv, gate, norm)
+
+    entries = jax.lax.cond(
+        jnp.any(done), emit,
+        lambda: jnp.zeros((layers.shape[0], *block.shape, spec.width), jnp.float32))
+    page, row = paging.entry_pages(page_rows, jnp.where(done, block, -1),
+                                   geometry.entries_per_page(spec.ratio))
+    page = jnp.where(page >= 0, page, pool.shape[1])  # absent -> out of bounds -> dropped
+    return pool.at[layers[:, None, None], page[None], row[None]].set(
+        entries.astype(pool.dtype), mode="drop")

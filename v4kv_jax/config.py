@@ -243,6 +243,9 @@ PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+# How the decode attention, the indexer and the compressor emission run (see `v4kv_jax.ops`).
+KERNEL_IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -261,6 +264,10 @@ class CacheConfig:
         pages); the loop runs over used pages only, so its cost follows the context.
       hca_read_entries: C128 entries the reference reads per loop step (whole pages).
       query_tile: queries per tile in prefill attention (bounds memory, not results).
+      kernels: implementation of the CSA / HCA decode attention, the indexer and the
+        compressor emission: "auto" (Pallas on TPU and GPU, the jnp reference on CPU),
+        "reference", "pallas_tpu" or "pallas_gpu" (see `v4kv_jax.ops`).
+      interpret_kernels: run the Pallas kernels in interpret mode (tests on CPU).
     """
 
     num_pages: int
@@ -273,6 +280,8 @@ class CacheConfig:
     index_read_entries: int = 4096
     hca_read_entries: int = 512
     query_tile: int = 64
+    kernels: str = "auto"
+    interpret_kernels: bool = False
 
     def __post_init__(self):
         if self.page_tokens <= 0 or self.page_tokens % SUPERBLOCK_TOKENS:
@@ -289,6 +298,8 @@ class CacheConfig:
             value = getattr(self, name)
             if value not in _DTYPES:
                 raise ValueError(f"{name}={value!r} must be one of {_DTYPES}")
+        if self.kernels not in KERNEL_IMPLEMENTATIONS:
+            raise ValueError(f"kernels={self.kernels!r} must be one of {KERNEL_IMPLEMENTATIONS}")
 
     @property
     def max_seq_len(self) -> int:

@@ -12,6 +12,9 @@ One mechanism serves decode (T = 1) and prefill (any T, any start length, any ch
 that layer and attend), then `end_append`, since a layer's inputs depend on the layer below.
 A slot that cannot get its pages, or would pass the configured maximum length, appends
 nothing at all and is flagged in `state.status`; other slots are unaffected.
+
+The compressor emission and the decode attention (T = 1) of CSA and HCA layers go through
+`ops`, which runs the jnp reference or a Pallas kernel as `CacheConfig.kernels` says.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from flax import struct
 
 from v4kv_jax import compressor as comp
-from v4kv_jax import paging, rope
+from v4kv_jax import ops, paging
 from v4kv_jax.attention import Queries, attend
 from v4kv_jax.compressor import CompressorInput, CompressorParams, CompressorWeights
 from v4kv_jax.config import LayerKind
@@ -135,14 +138,6 @@ def end_append(cache: Cache, plan: AppendPlan) -> Cache:
     return cache.replace(state=cache.state.replace(lengths=lengths))
 
 
-def _over_layers(fn, sequential: bool, *xs):
-    """Maps fn over a leading layer axis: vectorised for small chunks, one layer at a time for
-    large ones (bounded memory)."""
-    if sequential:
-        return jax.lax.map(lambda args: fn(*args), xs)
-    return jax.vmap(fn)(*xs)
-
-
 def _write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
                   ) -> Cache:
     """window: [n, B, T, hd] for global layers `layers` i32[n]."""
@@ -170,30 +165,10 @@ def _append_compressor(cache: Cache, plan: AppendPlan, spec: comp.CompressorSpec
     gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
                                                                               params.ape)
     tail = cache.state.tail(spec.name)
-    block, done = comp.completed_blocks(spec, plan.start, plan.n_new, tokens)
-
-    def emit():
-        old_kv = tail.kv[layers[:, None], plan.slot_ids[None, :]].astype(jnp.float32)
-        old_gate = tail.gate[layers[:, None], plan.slot_ids[None, :]].astype(jnp.float32)
-        inv_freq = rope.inv_frequencies(model, spec.kind)
-
-        def one_layer(tkv, tgate, ckv, cgate, norm):
-            return comp.pool_blocks(spec, model, tkv, tgate, ckv, cgate, plan.start, block,
-                                    norm, inv_freq)
-
-        return _over_layers(one_layer, tokens > spec.ratio, old_kv, old_gate, kv, gate,
-                            params.norm)
-
-    entries = jax.lax.cond(
-        jnp.any(done), emit,
-        lambda: jnp.zeros((layers.shape[0], *block.shape, spec.width), jnp.float32))
-    rows = cache.pages.page_table[plan.slot_ids]
-    page, row = paging.entry_pages(rows, jnp.where(done, block, -1),
-                                   geo.entries_per_page(spec.ratio))
-    pool = cache.classical.entries(spec.name)
-    page = jnp.where(page >= 0, page, pool.shape[1])  # absent -> out of bounds -> dropped
-    pool = pool.at[layers[:, None, None], page[None], row[None]].set(
-        entries.astype(pool.dtype), mode="drop")
+    pool = ops.emit_entries(
+        spec, model, geo, cache.classical.entries(spec.name),
+        cache.pages.page_table[plan.slot_ids], layers, tail.kv, tail.gate, plan.slot_ids, kv,
+        gate, plan.start, plan.n_new, params.norm)
 
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
@@ -280,6 +255,11 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
             cache, plan, spec, kind_layers, jax.tree.map(lambda x: x[None], vectors.compressor),
             jax.tree.map(lambda x: x[None], params.compressor))
 
+    if tokens == 1 and ref.kind != LayerKind.SWA and ops.uses_kernels(model, geo):
+        # Decode: the ring now holds the new token, so the kernels read it from the cache.
+        return cache, ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
+                                           plan.slot_ids, plan.start, plan.end)
+
     page_rows = cache.pages.page_table[plan.slot_ids]
     extended = jnp.concatenate(
         [_ordered_ring(old_ring, plan.start), vectors.window.astype(old_ring.dtype)], axis=1)
@@ -323,6 +303,9 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: ja
       f32[B, 1, H, hd].
     """
     length = cache.state.lengths[slot_ids]
+    if ref.kind != LayerKind.SWA and ops.uses_kernels(cache.model, cache.geometry):
+        return ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
+                                    slot_ids, length - 1, length)
     ring = cache.state.window[ref.layer, slot_ids]
     page_rows = cache.pages.page_table[slot_ids]
     return _attend_layer(cache, ref, page_rows, queries, (length - 1)[:, None], length,

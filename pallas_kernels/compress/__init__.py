@@ -1,0 +1,16 @@
+"""Compressor: pool every block a chunk completes and write its entry in place into the pool.
+
+  C_i[ch] = sum_s softmax_s(z_s[ch]) a_s[ch];  entry_i = RoPE_{i m}(RMSNorm_w(C_i))
+
+With overlap (CSA), the 2m slots are the first halves of block i-1 and the second halves of
+block i. Slot rows come from the compressor's tail ring (positions before the chunk) or the
+chunk itself. `tpu.emit_entries` (Mosaic: scalar-prefetched lengths and page table, row-run
+DMAs in, row DMAs out into the aliased pool) and `gpu.emit_entries` (Triton: gathered tiles,
+masked scatter into the aliased pool) take the same arguments; the reference is
+`v4kv_jax.compressor.emit_entries`. Serves prefill (many blocks) and decode (at most one
+block per slot per step).
+"""
+
+from pallas_kernels.compress.blocks import BlockSizes
+
+__all__ = ["BlockSizes"]

@@ -1,0 +1,160 @@
+"""HCA dense decode attention, TPU (Mosaic).
+
+Grid: one program per slot. Scalar-prefetched: the layer indices, query positions, sequence
+lengths, slot ids (they pick the window ring block) and the page table. The C128 pool stays
+in HBM (`pl.ANY`); the pages holding the visible entries are copied `pages_per_block` at a
+time into a double-buffered VMEM block (the next block in flight while the current one is
+folded), so the work follows the slot's length, not the page-table capacity. The held pages
+of a row are a prefix of it (`v4kv_jax.paging`), so entry i < visible lies on a held page.
+
+Layout read:
+  window  [n_layers, max_slots, W, hd]      block (layer, slot) through the index map
+  c128    [n_hca, num_pages, P // m', hd]   page copies
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import decode
+from pallas_kernels.common import layer_index, rotate_lanes, swap_pairs_tpu, tpu_interpret
+from pallas_kernels.dense_attention.blocks import BlockSizes
+
+
+def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, q_ref, sink_ref, freq_ref,
+            window_ref, c128_hbm, o_ref, buf, sems, *, pages_per_block: int,
+            entries_per_page: int, max_pages: int, ratio: int, window: int, scale: float):
+    del slot_ref  # consumed by the window block's index map
+    b = pl.program_id(0)
+    layer = layers_ref[1]
+    q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
+    visible = jnp.minimum(jax.lax.div(q_pos + 1, ratio), jax.lax.div(kv_end, ratio))
+    num_pages = jax.lax.div(visible + entries_per_page - 1, entries_per_page)
+    num_blocks = jax.lax.div(num_pages + pages_per_block - 1, pages_per_block)
+
+    def page_copy(j, i, slot):
+        page = jnp.maximum(table_ref[b * max_pages + j * pages_per_block + i], 0)
+        dst = buf.at[slot, pl.ds(i * entries_per_page, entries_per_page)]
+        return pltpu.make_async_copy(c128_hbm.at[layer, page], dst, sems.at[slot])
+
+    def copied(j, i):
+        col = j * pages_per_block + i
+        return (col < num_pages) & (table_ref[b * max_pages + jnp.minimum(col, max_pages - 1)]
+                                    >= 0)
+
+    def start(j, slot):
+        def one(i, carry):
+            @pl.when(copied(j, i))
+            def _():
+                page_copy(j, i, slot).start()
+
+            return carry
+
+        jax.lax.fori_loop(0, pages_per_block, one, 0)
+
+    def wait(j, slot):
+        def one(i, carry):
+            @pl.when(copied(j, i))
+            def _():
+                page_copy(j, i, slot).wait()
+
+            return carry
+
+        jax.lax.fori_loop(0, pages_per_block, one, 0)
+
+    q = q_ref[...].astype(jnp.float32)
+    heads = q.shape[0]
+    state = (sink_ref[...].astype(jnp.float32), jnp.ones((heads, 1), jnp.float32),
+             jnp.zeros(q.shape, jnp.float32))
+
+    ring_rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
+    ring = jnp.where(ring_rows, window_ref[...].astype(jnp.float32), 0.0)
+    state = decode.fold(state, q, ring, decode.window_visible(q_pos, kv_end, (1, window), 1,
+                                                              window), scale)
+
+    @pl.when(num_blocks > 0)
+    def _():
+        start(0, 0)
+
+    block_entries = pages_per_block * entries_per_page
+
+    def body(j, state):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            start(j + 1, 1 - slot)
+
+        wait(j, slot)
+        first = j * block_entries
+        rows = first + jax.lax.broadcasted_iota(jnp.int32, (block_entries, 1), 0) < visible
+        lanes = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_entries), 1) < visible
+        keys = jnp.where(rows, buf[slot].astype(jnp.float32), 0.0)
+        return decode.fold(state, q, keys, lanes, scale)
+
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    out = acc / denom
+    angle = q_pos.astype(jnp.float32) * freq_ref[...]
+    o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret"))
+def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128,
+                           c128_layer, page_rows, lane_freq, *, ratio: int,
+                           block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """One decode query per slot over its window and every visible C128 entry.
+
+    Args:
+      q: f32[B, H, hd] queries (RoPE applied). sink: f32[H].
+      window: [n_layers, max_slots, W, hd] the window rings; window_layer: global layer.
+      slot_ids, q_pos, kv_end: i32[B] slot, query position and sequence length per row.
+      c128: [n_hca, num_pages, P // m', hd]; c128_layer: index in the HCA stack.
+      page_rows: i32[B, max_pages_per_seq].
+      lane_freq: f32[1, hd], `common.lane_frequencies` of the layer kind.
+      ratio: m'. Entries i < min((q_pos + 1) // m', kv_end // m') are read.
+
+    Returns:
+      f32[B, H, hd], de-rotated by -q_pos.
+    """
+    batch, heads, dim = q.shape
+    _, _, window_len, _ = window.shape
+    epp, max_pages = c128.shape[2], page_rows.shape[1]
+    bs = (block_sizes or BlockSizes()).clamped(max_pages * epp, heads)
+    ppb = min(bs.pages_per_block(epp), max_pages)
+    layers = jnp.concatenate([layer_index(window_layer), layer_index(c128_layer)])
+
+    def per_row(shape):
+        return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
+
+    kernel = functools.partial(
+        _kernel, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages, ratio=ratio,
+        window=window_len, scale=dim**-0.5)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5,
+            grid=(batch,),
+            in_specs=[
+                per_row((heads, dim)),
+                pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
+                pl.BlockSpec((1, dim), lambda b, *_: (0, 0)),
+                pl.BlockSpec((None, None, window_len, dim),
+                             lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=per_row((heads, dim)),
+            scratch_shapes=[pltpu.VMEM((2, ppb * epp, dim), c128.dtype),
+                            pltpu.SemaphoreType.DMA((2,))],
+        ),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, dim), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=tpu_interpret(interpret),
+        name="v4kv_hca_dense_decode_attention",
+    )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
+      page_rows.astype(jnp.int32).reshape(-1), q.astype(jnp.float32),
+      sink.astype(jnp.float32).reshape(heads, 1), lane_freq, window, c128)

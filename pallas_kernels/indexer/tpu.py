@@ -1,0 +1,160 @@
+"""Indexer scores, TPU (Mosaic).
+
+Grid: one program per slot. Scalar-prefetched: the CSA layer, query positions, sequence
+lengths and the page table. Indexer keys stay in HBM (`pl.ANY`); the pages holding visible
+keys are copied `pages_per_block` at a time into a double-buffered VMEM block, scored with
+two matmuls (q . K per head, then the weighted sum of the ReLUs over heads), and each chunk
+of scores is copied out to the score row in HBM while the next block is scored. Only the
+used pages are visited; the rest of the row is left as it was (the caller masks it).
+
+Layout read:
+  index_keys  [n_csa, num_pages, P // m, c]   page copies
+Written:
+  scores      f32[B, capacity]                 chunk copies
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.common import HIGHEST, MASK_VALUE, layer_index, tpu_interpret
+from pallas_kernels.indexer.blocks import BlockSizes
+
+
+def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_hbm, scores_hbm,
+            buf, sems, out_buf, out_sems, *, pages_per_block: int, entries_per_page: int,
+            max_pages: int, ratio: int):
+    b = pl.program_id(0)
+    layer = layer_ref[0]
+    visible = jnp.minimum(jax.lax.div(q_pos_ref[b] + 1, ratio), jax.lax.div(kv_end_ref[b], ratio))
+    num_pages = jax.lax.div(visible + entries_per_page - 1, entries_per_page)
+    num_blocks = jax.lax.div(num_pages + pages_per_block - 1, pages_per_block)
+    block_entries = pages_per_block * entries_per_page
+
+    def page_copy(j, i, slot):
+        page = jnp.maximum(table_ref[b * max_pages + j * pages_per_block + i], 0)
+        dst = buf.at[slot, pl.ds(i * entries_per_page, entries_per_page)]
+        return pltpu.make_async_copy(keys_hbm.at[layer, page], dst, sems.at[slot])
+
+    def copied(j, i):
+        col = j * pages_per_block + i
+        return (col < num_pages) & (table_ref[b * max_pages + jnp.minimum(col, max_pages - 1)]
+                                    >= 0)
+
+    def start(j, slot):
+        def one(i, carry):
+            @pl.when(copied(j, i))
+            def _():
+                page_copy(j, i, slot).start()
+
+            return carry
+
+        jax.lax.fori_loop(0, pages_per_block, one, 0)
+
+    def wait(j, slot):
+        def one(i, carry):
+            @pl.when(copied(j, i))
+            def _():
+                page_copy(j, i, slot).wait()
+
+            return carry
+
+        jax.lax.fori_loop(0, pages_per_block, one, 0)
+
+    def score_copy(j, slot):
+        dst = scores_hbm.at[pl.ds(b, 1), pl.ds(j * block_entries, block_entries)]
+        return pltpu.make_async_copy(out_buf.at[slot], dst, out_sems.at[slot])
+
+    q = q_ref[...].astype(jnp.float32)
+    heads, dim = q.shape
+    weights = w_ref[...].astype(jnp.float32) * heads**-0.5
+
+    @pl.when(num_blocks > 0)
+    def _():
+        start(0, 0)
+
+    def body(j, carry):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            start(j + 1, 1 - slot)
+
+        wait(j, slot)
+        keys = buf[slot].astype(jnp.float32)
+        dots = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                   preferred_element_type=jnp.float32)
+        relu = jnp.maximum(dots, 0.0) * dim**-0.5
+        scores = jnp.dot(weights, relu, precision=HIGHEST, preferred_element_type=jnp.float32)
+        entry = j * block_entries + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
+
+        @pl.when(j >= 2)
+        def _():
+            score_copy(j - 2, slot).wait()
+
+        out_buf[slot] = jnp.where(entry < visible, scores, MASK_VALUE)
+        score_copy(j, slot).start()
+        return carry
+
+    jax.lax.fori_loop(0, num_blocks, body, 0)
+
+    def drain(back):
+        @pl.when(num_blocks >= back)
+        def _():
+            j = num_blocks - back
+            score_copy(j, jax.lax.rem(j, 2)).wait()
+
+    drain(1)
+    drain(2)
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret"))
+def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end, *,
+                 ratio: int, block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """Indexer scores of one query per slot over its visible keys.
+
+    Args:
+      index_q: f32[B, nI, c] (RoPE applied per head); index_weights: f32[B, nI] raw weights.
+      index_keys: [n_csa, num_pages, P // m, c]; layer: index in the CSA stack.
+      page_rows: i32[B, max_pages_per_seq]; q_pos, kv_end: i32[B].
+      ratio: m.
+
+    Returns:
+      f32[B, capacity] (capacity >= max_pages_per_seq * P // m): scores of the visible keys,
+      MASK_VALUE for the other ids of the visited pages, unspecified past them.
+    """
+    batch, heads, dim = index_q.shape
+    epp, max_pages = index_keys.shape[2], page_rows.shape[1]
+    bs = (block_sizes or BlockSizes()).clamped(max_pages * epp)
+    ppb = min(bs.pages_per_block(epp), max_pages)
+    blocks = -(-max_pages // ppb)
+    kernel = functools.partial(_kernel, pages_per_block=ppb, entries_per_page=epp,
+                               max_pages=max_pages, ratio=ratio)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(batch,),
+            in_specs=[
+                pl.BlockSpec((None, heads, dim), lambda b, *_: (b, 0, 0)),
+                pl.BlockSpec((None, 1, heads), lambda b, *_: (b, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[pltpu.VMEM((2, ppb * epp, dim), index_keys.dtype),
+                            pltpu.SemaphoreType.DMA((2,)),
+                            pltpu.VMEM((2, 1, ppb * epp), jnp.float32),
+                            pltpu.SemaphoreType.DMA((2,))],
+        ),
+        out_shape=jax.ShapeDtypeStruct((batch, blocks * ppb * epp), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=tpu_interpret(interpret),
+        name="v4kv_indexer_scores",
+    )(layer_index(layer), q_pos.astype(jnp.int32), kv_end.astype(jnp.int32),
+      page_rows.astype(jnp.int32).reshape(-1), index_q.astype(jnp.float32),
+      index_weights.astype(jnp.float32).reshape(batch, 1, heads), index_keys)

@@ -1,0 +1,132 @@
+"""CSA sparse decode attention, GPU (Pallas lowered through Triton).
+
+Grid: (slot, head block, split). A program folds the window ring (split 0 only) and its
+share of the top-k picks, `picks_per_block` at a time: the picks' pages come from the page
+table row and each tile of C4 rows is one gathered load `c4[layer, page[:], row[:], :]`.
+Programs write partial softmax states (acc, max, sum); XLA merges the splits with the sink
+and de-rotates the output (a lane-pair exchange has no Triton equivalent in Pallas).
+
+Triton tensors have power-of-two shapes, and its matmul at least 16 rows and columns: heads
+and picks are padded (zero queries, -1 picks) up to the block sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import decode
+from pallas_kernels.common import (
+    MASK_VALUE,
+    check_power_of_two,
+    layer_index,
+    rotate_lanes,
+    triton_compiler_params,
+)
+from pallas_kernels.sparse_attention.blocks import BlockSizes
+
+MIN_DOT = 16  # smallest matmul dimension Triton accepts
+
+
+def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, picks_ref, q_ref,
+            window_ref, c4_ref, acc_ref, m_ref, l_ref, *, block: int, num_splits: int,
+            entries_per_page: int, window: int, scale: float):
+    b, split = pl.program_id(0), pl.program_id(2)
+    q = q_ref[...].astype(jnp.float32)
+    heads = q.shape[0]
+    q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
+    state = (jnp.full((heads, 1), MASK_VALUE, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+             jnp.zeros(q.shape, jnp.float32))
+
+    def fold_window(state):
+        ring = window_ref[layers_ref[0], slot_ref[b], :, :].astype(jnp.float32)
+        rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
+        lanes = decode.window_visible(q_pos, kv_end, (1, window), 1, window)
+        return decode.fold(state, q, jnp.where(rows, ring, 0.0), lanes, scale)
+
+    state = jax.lax.cond(split == 0, fold_window, lambda s: s, state)
+
+    num_blocks = blocks_ref[b]
+    per_split = (num_blocks + num_splits - 1) // num_splits
+    first = split * per_split
+    last = jnp.minimum(first + per_split, num_blocks)
+    layer = layers_ref[1]
+
+    def body(j, state):
+        picks = picks_ref[b, pl.ds(j * block, block)]
+        valid = picks >= 0
+        pick = jnp.maximum(picks, 0)
+        page = jnp.maximum(table_ref[b, pick // entries_per_page], 0)
+        keys = c4_ref[layer, page, pick % entries_per_page, :].astype(jnp.float32)
+        keys = jnp.where(valid[:, None], keys, 0.0)
+        return decode.fold(state, q, keys, valid[None, :], scale)
+
+    m, denom, acc = jax.lax.fori_loop(first, last, body, state)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = denom
+
+
+def swap_pairs(x: jax.Array) -> jax.Array:
+    """x with lanes 2i and 2i + 1 exchanged (XLA, outside kernels)."""
+    return x.reshape(*x.shape[:-1], -1, 2)[..., ::-1].reshape(x.shape)
+
+
+def derotate(out: jax.Array, q_pos: jax.Array, lane_freq: jax.Array) -> jax.Array:
+    """De-rotates f32[B, H, d] by -q_pos (XLA epilogue of the GPU kernels)."""
+    angle = q_pos.astype(jnp.float32)[:, None, None] * lane_freq[None]
+    return rotate_lanes(out, swap_pairs(out), angle, inverse=True)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "num_warps",
+                                             "num_stages"))
+def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
+                            c4_layer, page_rows, picks, lane_freq, *,
+                            block_sizes: BlockSizes | None = None, interpret: bool = False,
+                            num_warps: int = 4, num_stages: int = 2):
+    """Same contract as `pallas_kernels.sparse_attention.tpu.sparse_decode_attention`."""
+    batch, heads, dim = q.shape
+    _, _, window_len, _ = window.shape
+    topk, epp = picks.shape[1], c4.shape[2]
+    bs = (block_sizes or BlockSizes()).clamped(topk, heads)
+    block, bh = max(bs.picks_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)
+    check_power_of_two(head_dim=dim, window=window_len,
+                       picks_per_block=block, heads_per_block=bh)
+    padded_heads = -(-heads // bh) * bh
+    padded = -(-topk // block) * block
+    q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, padded_heads - heads), (0, 0)))
+    picks = jnp.pad(picks.astype(jnp.int32), ((0, 0), (0, padded - topk)), constant_values=-1)
+    last = jnp.max(jnp.where(picks >= 0, jnp.arange(padded, dtype=jnp.int32) + 1, 0), axis=1)
+    blocks = (last + block - 1) // block
+    splits = bs.num_splits
+    layers = jnp.concatenate([layer_index(window_layer), layer_index(c4_layer)])
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+    scalars = (layers, slot_ids.astype(jnp.int32), q_pos.astype(jnp.int32),
+               kv_end.astype(jnp.int32), blocks, page_rows.astype(jnp.int32), picks)
+    kernel = functools.partial(_kernel, block=block, num_splits=splits, entries_per_page=epp,
+                               window=window_len, scale=dim**-0.5)
+    acc, m, denom = pl.pallas_call(
+        kernel,
+        grid=(batch, padded_heads // bh, splits),
+        in_specs=[*(whole(x) for x in scalars),
+                  pl.BlockSpec((None, bh, dim), lambda b, h, s: (b, h, 0)),
+                  whole(window), whole(c4)],
+        out_specs=[pl.BlockSpec((None, None, bh, dim), lambda b, h, s: (b, s, h, 0)),
+                   pl.BlockSpec((None, None, bh, 1), lambda b, h, s: (b, s, h, 0)),
+                   pl.BlockSpec((None, None, bh, 1), lambda b, h, s: (b, s, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, splits, padded_heads, dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, splits, padded_heads, 1), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, splits, padded_heads, 1), jnp.float32)],
+        compiler_params=triton_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="v4kv_csa_sparse_decode_attention_gpu",
+    )(*scalars, q, window, c4)
+    out = decode.combine_partials(acc[:, :, :heads], m[:, :, :heads, 0],
+                                  denom[:, :, :heads, 0], sink)
+    return derotate(out, q_pos, lane_freq)

@@ -1,0 +1,165 @@
+"""CSA sparse decode attention, TPU (Mosaic).
+
+Grid: one program per slot. Scalar-prefetched: the layer indices, query positions, sequence
+lengths, slot ids (they pick the window ring block), the page table and the top-k picks. The
+C4 pool stays in HBM (`pl.ANY`); each valid pick is one row copy `c4[layer, page, row]` into
+a double-buffered VMEM batch of `picks_per_block` rows, the next batch in flight while the
+current one is folded into the online softmax. -1 picks copy nothing (their row is zeroed),
+and batches past the last valid pick are never visited.
+
+Layout read:
+  window  [n_layers, max_slots, W, hd]   block (layer, slot) through the index map
+  c4      [n_csa, num_pages, P // m, hd] row copies
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import decode
+from pallas_kernels.common import layer_index, rotate_lanes, swap_pairs_tpu, tpu_interpret
+from pallas_kernels.sparse_attention.blocks import BlockSizes
+
+
+def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, blocks_ref,
+            q_ref, sink_ref, freq_ref, window_ref, pick_rows_ref, c4_hbm, o_ref, buf, sems, *,
+            block: int, padded_topk: int, entries_per_page: int, max_pages: int,
+            window: int, scale: float):
+    del slot_ref  # consumed by the window block's index map
+    b = pl.program_id(0)
+    layer = layers_ref[1]
+    q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
+
+    def row_copy(j, i, slot):
+        pick = jnp.maximum(picks_ref[b * padded_topk + j * block + i], 0)
+        page = jnp.maximum(table_ref[b * max_pages + jax.lax.div(pick, entries_per_page)], 0)
+        src = c4_hbm.at[layer, page, pl.ds(jax.lax.rem(pick, entries_per_page), 1)]
+        return pltpu.make_async_copy(src, buf.at[slot, pl.ds(i, 1)], sems.at[slot])
+
+    def valid(j, i):
+        return picks_ref[b * padded_topk + j * block + i] >= 0
+
+    def start(j, slot):
+        def one(i, carry):
+            @pl.when(valid(j, i))
+            def _():
+                row_copy(j, i, slot).start()
+
+            @pl.when(jnp.logical_not(valid(j, i)))
+            def _():
+                buf[slot, pl.ds(i, 1), :] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
+
+            return carry
+
+        jax.lax.fori_loop(0, block, one, 0)
+
+    def wait(j, slot):
+        def one(i, carry):
+            @pl.when(valid(j, i))
+            def _():
+                row_copy(j, i, slot).wait()
+
+            return carry
+
+        jax.lax.fori_loop(0, block, one, 0)
+
+    q = q_ref[...].astype(jnp.float32)
+    heads = q.shape[0]
+    state = (sink_ref[...].astype(jnp.float32), jnp.ones((heads, 1), jnp.float32),
+             jnp.zeros(q.shape, jnp.float32))
+
+    ring_rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
+    ring = jnp.where(ring_rows, window_ref[...].astype(jnp.float32), 0.0)
+    state = decode.fold(state, q, ring, decode.window_visible(q_pos, kv_end, (1, window), 1,
+                                                              window), scale)
+
+    num_blocks = blocks_ref[b]
+
+    @pl.when(num_blocks > 0)
+    def _():
+        start(0, 0)
+
+    def body(j, state):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            start(j + 1, 1 - slot)
+
+        wait(j, slot)
+        keys = buf[slot].astype(jnp.float32)
+        visible = pick_rows_ref[pl.ds(j, 1), :] >= 0
+        return decode.fold(state, q, keys, visible, scale)
+
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    out = acc / denom
+    angle = q_pos.astype(jnp.float32) * freq_ref[...]
+    o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
+                            c4_layer, page_rows, picks, lane_freq, *,
+                            block_sizes: BlockSizes | None = None, interpret: bool = False):
+    """One decode query per slot over its window and its top-k C4 entries.
+
+    Args:
+      q: f32[B, H, hd] queries (RoPE applied). sink: f32[H].
+      window: [n_layers, max_slots, W, hd] the window rings; window_layer: global layer.
+      slot_ids, q_pos, kv_end: i32[B] slot, query position and sequence length per row.
+      c4: [n_csa, num_pages, P // m, hd]; c4_layer: index in the CSA stack.
+      page_rows: i32[B, max_pages_per_seq]; picks: i32[B, k] entry ids, -1 = none. A pick
+        whose page is absent must already be -1 (`ops` sanitises them).
+      lane_freq: f32[1, hd], `common.lane_frequencies` of the layer kind.
+
+    Returns:
+      f32[B, H, hd], de-rotated by -q_pos.
+    """
+    batch, heads, dim = q.shape
+    _, _, window_len, _ = window.shape
+    topk, epp, max_pages = picks.shape[1], c4.shape[2], page_rows.shape[1]
+    bs = (block_sizes or BlockSizes()).clamped(topk, heads)
+    block = bs.picks_per_block
+    padded = -(-topk // block) * block
+    picks = jnp.pad(picks.astype(jnp.int32), ((0, 0), (0, padded - topk)), constant_values=-1)
+    last = jnp.max(jnp.where(picks >= 0, jnp.arange(padded, dtype=jnp.int32) + 1, 0), axis=1)
+    blocks = (last + block - 1) // block
+    layers = jnp.concatenate([layer_index(window_layer), layer_index(c4_layer)])
+
+    def per_row(shape):
+        return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
+
+    kernel = functools.partial(
+        _kernel, block=block, padded_topk=padded, entries_per_page=epp, max_pages=max_pages,
+        window=window_len, scale=dim**-0.5)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=7,
+            grid=(batch,),
+            in_specs=[
+                per_row((heads, dim)),
+                pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
+                pl.BlockSpec((1, dim), lambda b, *_: (0, 0)),
+                pl.BlockSpec((None, None, window_len, dim),
+                             lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
+                per_row((padded // block, block)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=per_row((heads, dim)),
+            scratch_shapes=[pltpu.VMEM((2, block, dim), c4.dtype),
+                            pltpu.SemaphoreType.DMA((2,))],
+        ),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, dim), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=tpu_interpret(interpret),
+        name="v4kv_csa_sparse_decode_attention",
+    )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
+      page_rows.astype(jnp.int32).reshape(-1), picks.reshape(-1), blocks,
+      q.astype(jnp.float32), sink.astype(jnp.float32).reshape(heads, 1), lane_freq, window,
+      picks.reshape(batch, padded // block, block), c4)

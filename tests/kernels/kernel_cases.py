@@ -1,0 +1,109 @@
+"""Cases shared by the kernel tests: every kernel runs in interpret mode on CPU against the
+jnp reference, on caches of random content whose unused pages are NaN.
+
+A case is (implementation, page size, storage dtype, heads); the ragged batch of each case
+holds the awkward lengths 0, 1, 3, 4, 127, 128, 129, P-1, P, P+1 and a few thousand.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+import v4kv_jax as v4
+from v4kv_jax.pools import SlotStatus
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu")
+LONG = 3001  # "a few thousand": 750 C4 entries, 187 C128 entries (m' = 16)
+
+# (page tokens, storage dtype, query heads): both page sizes with both dtypes, three head counts
+# (3 is padded by the GPU kernels, 16 is one full GPU head block).
+CASES = [(128, "float32", 4), (128, "bfloat16", 16), (256, "float32", 16),
+         (256, "bfloat16", 3)]
+CASE_IDS = [f"P{p}-{d}-H{h}" for p, d, h in CASES]
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+
+
+def lengths_for(page_tokens: int) -> list[int]:
+    """Slot lengths of the shared caches: the awkward ones, 15, 16, 17 (C128 edges with
+    m' = 16), and last a slot of P + 1 tokens that tests query as a padding row of
+    `layer_step` (q_pos == kv_end)."""
+    edges = [0, 1, 3, 4, 15, 16, 17, 127, 128, 129, page_tokens - 1, page_tokens,
+             page_tokens + 1, LONG]
+    return sorted(set(edges)) + [page_tokens + 1]
+
+
+def model_for(heads: int, **overrides) -> v4.AttentionConfig:
+    fields = dict(num_heads=heads, o_groups=1, index_heads=16, index_topk=48)
+    fields.update(overrides)
+    return v4.tiny(**fields)
+
+
+@functools.cache
+def shared_cache(page_tokens: int, dtype: str):
+    """One random cache per (P, dtype) for all decode tests (layouts do not depend on heads)."""
+    return random_cache(model_for(4), page_tokens, dtype, lengths_for(page_tokens), seed=7)
+
+
+def decode_positions(lengths) -> tuple[jax.Array, jax.Array]:
+    """(q_pos, kv_end) i32[B]: each row queries its last token, the last row a padding one."""
+    kv_end = np.asarray(lengths, np.int32)
+    q_pos = kv_end - 1
+    q_pos[-1] = kv_end[-1]
+    return jax.numpy.asarray(q_pos), jax.numpy.asarray(kv_end)
+
+
+def random_cache(model, page_tokens: int, dtype: str, lengths, seed: int = 0, spare_pages=2):
+    """A cache holding `lengths` tokens of random content per slot; unused pages are NaN.
+
+    The bookkeeping is what `synthetic.random_cache` builds (slot b takes its pages after
+    slot b - 1); the content is drawn with numpy, which is much faster on CPU than compiling
+    a random program per array shape.
+    """
+    lengths = np.asarray(lengths, np.int64)
+    need = -(-lengths // page_tokens)
+    used = int(need.sum())
+    geometry = v4.CacheConfig(
+        num_pages=used + spare_pages, max_slots=len(lengths) + 1,
+        max_pages_per_seq=int(need.max()) + 1, page_tokens=page_tokens, entry_dtype=dtype,
+        window_dtype=dtype)
+    cache = v4.init_cache(model, geometry)
+    rng = np.random.default_rng(seed)
+
+    def draw(x, nan_pages=False):
+        values = rng.standard_normal(x.shape).astype(np.float32)
+        if nan_pages:
+            values[:, used:] = np.nan
+        return jax.numpy.asarray(values, x.dtype)
+
+    table = np.full((geometry.max_slots, geometry.max_pages_per_seq), -1, np.int32)
+    first = np.concatenate([[0], np.cumsum(need)[:-1]])
+    for b, n in enumerate(need):
+        table[b, :n] = first[b] + np.arange(n)
+    refcount = (np.arange(geometry.num_pages) < used).astype(np.int32)
+    free = np.arange(geometry.num_pages - 1, used - 1, -1, dtype=np.int32)
+    slot_lengths = np.zeros(geometry.max_slots, np.int32)
+    slot_lengths[:len(lengths)] = lengths
+    state = cache.state.replace(
+        lengths=jax.numpy.asarray(slot_lengths),
+        status=jax.numpy.asarray((np.arange(geometry.max_slots) < len(lengths)).astype(np.int32)
+                                 * int(SlotStatus.ACTIVE)),
+        window=draw(cache.state.window),
+        **{s.name: jax.tree.map(draw, cache.state.tail(s.name)) for s in cache.specs})
+    pages = cache.pages.replace(
+        page_table=jax.numpy.asarray(table),
+        free_stack=jax.numpy.asarray(np.concatenate([free, np.zeros(used, np.int32)])),
+        num_free=jax.numpy.asarray(geometry.num_pages - used, jax.numpy.int32),
+        refcount=jax.numpy.asarray(refcount))
+    classical = jax.tree.map(lambda x: draw(x, nan_pages=True), cache.classical)
+    return cache.replace(classical=classical, state=state, pages=pages)
+
+
+def assert_close(actual, expected, dtype: str, err_msg: str = ""):
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
+                               rtol=tol, atol=tol, err_msg=err_msg)

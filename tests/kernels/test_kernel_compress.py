@@ -1,0 +1,90 @@
+"""Compressor kernels against `compressor.emit_entries`: the same rows written, nothing else
+touched (NaN pages stay NaN), written values within tolerance."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_cases import IMPLEMENTATIONS, LONG, TOLERANCE, model_for, random_cache
+
+from pallas_kernels.common import reset_tpu_interpreter
+from pallas_kernels.compress import BlockSizes
+from v4kv_jax import ops
+from v4kv_jax.compressor import compressor_specs
+
+CASES = [(128, "float32", "prefill"), (256, "bfloat16", "prefill"), (128, "bfloat16", "decode"),
+         (256, "float32", "decode")]
+
+
+def teardown_function():
+    reset_tpu_interpreter()  # a kernel that failed mid-run leaves interpreter state behind
+
+
+
+def _changed(after, before):
+    after, before = after.astype(np.float32), before.astype(np.float32)
+    return ~((after == before) | (np.isnan(after) & np.isnan(before)))
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"P{p}-{d}-{m}" for p, d, m in CASES])
+def case(request):
+    page_tokens, dtype, mode = request.param
+    model = model_for(4)
+    rng = np.random.default_rng(page_tokens)
+    if mode == "decode":  # start + 1 completes a C4 block; 15, 127, ... a C128 block too
+        starts = np.asarray([3, 15, 127, page_tokens - 1, 2 * page_tokens - 1, LONG + 2, 0, 5])
+        tokens, n_new = 1, np.ones(8, np.int64)
+    else:
+        starts = np.asarray([0, 1, 3, 4, 127, 128, 129, page_tokens - 1, page_tokens,
+                             page_tokens + 1, LONG])
+        tokens = 37
+        n_new = np.concatenate([np.full(4, tokens), rng.integers(0, tokens + 1, 7)])
+    cache = random_cache(model, page_tokens, dtype, starts + n_new, seed=3)
+    batch = len(starts)
+    order = rng.permutation(batch)  # row r appends to slot order[r]: rows != slots
+    common = dict(rows=cache.pages.page_table[order], slot_ids=jnp.asarray(order, jnp.int32),
+                  start=jnp.asarray(starts[order], jnp.int32),
+                  n_new=jnp.asarray(n_new[order], jnp.int32))
+    specs = []
+    for spec in compressor_specs(model):
+        n = len(model.layers_of(spec.kind))
+        kv, gate = (jnp.asarray(rng.standard_normal((n, batch, tokens, spec.in_width)),
+                                jnp.float32) for _ in range(2))
+        inputs = dict(
+            spec=spec, pool=cache.classical.entries(spec.name), tail=cache.state.tail(spec.name),
+            layers=jnp.arange(n, dtype=jnp.int32)[::-1],  # stack order != kernel order
+            kv=kv, gate=gate,
+            norm=jnp.asarray(1 + 0.1 * rng.standard_normal((n, spec.width)), jnp.float32))
+        specs.append(inputs)
+
+    def emit(x, **kw):
+        return np.asarray(ops.emit_entries(
+            x["spec"], model, cache.geometry, jnp.copy(x["pool"]), common["rows"], x["layers"],
+            x["tail"].kv, x["tail"].gate, common["slot_ids"], x["kv"], x["gate"],
+            common["start"], common["n_new"], x["norm"], **kw))
+
+    want = [emit(x, implementation="reference") for x in specs]
+    return types.SimpleNamespace(specs=specs, emit=emit, want=want, dtype=dtype, mode=mode)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_emitted_entries_match_reference(case, implementation):
+    written = 0
+    for x, want in zip(case.specs, case.want, strict=True):
+        name = x["spec"].name
+        got = case.emit(x, implementation=implementation, interpret=True,
+                        block_sizes=BlockSizes(blocks_per_step=4, channels_per_step=8))
+        before = np.asarray(x["pool"])
+        rows = _changed(want, before).any(-1)
+        np.testing.assert_array_equal(_changed(got, before).any(-1), rows,
+                                      err_msg=f"{name}: rows written")
+        np.testing.assert_array_equal(got[~rows].astype(np.float32),
+                                      before[~rows].astype(np.float32), err_msg=name)
+        tol = TOLERANCE[case.dtype]
+        np.testing.assert_allclose(got[rows].astype(np.float32), want[rows].astype(np.float32),
+                                   rtol=tol, atol=tol, err_msg=name)
+        written += int(rows.sum())
+    assert written >= (8 if case.mode == "decode" else 100)

@@ -1,0 +1,73 @@
+"""Indexer score kernels (and the top-k after them) against the reference."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from kernel_cases import (
+    CASE_IDS,
+    CASES,
+    IMPLEMENTATIONS,
+    assert_close,
+    decode_positions,
+    lengths_for,
+    model_for,
+    shared_cache,
+)
+
+from pallas_kernels.common import reset_tpu_interpreter
+from pallas_kernels.indexer import BlockSizes
+from v4kv_jax import ops, synthetic
+from v4kv_jax.config import LayerKind
+
+
+def teardown_function():
+    reset_tpu_interpreter()  # a kernel that failed mid-run leaves interpreter state behind
+
+
+
+@pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
+def case(request):
+    page_tokens, dtype, heads = request.param
+    model, cache = model_for(4, index_heads=heads), shared_cache(page_tokens, dtype)
+    lengths = lengths_for(page_tokens)
+    batch = len(lengths)
+    layer = model.layers_of(LayerKind.CSA)[1]
+    q_pos, kv_end = decode_positions(lengths)
+    queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=heads + 2).queries(
+        layer, np.zeros((batch, 1), int))
+    args = (model, cache.geometry, cache.classical.index_keys, model.kind_index(layer),
+            cache.pages.page_table[:batch], queries.index_q[:, 0], queries.index_weights[:, 0],
+            q_pos, kv_end)
+    return types.SimpleNamespace(
+        args=args, model=model, lengths=lengths, visible=np.minimum(q_pos + 1, kv_end) // 4,
+        scores=np.asarray(ops.index_scores(*args, implementation="reference")),
+        picks=np.asarray(ops.index_topk(*args, implementation="reference")))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_index_scores_and_picks_match_reference(case, implementation):
+    kernel = dict(implementation=implementation, interpret=True,
+                  block_sizes=BlockSizes(entries_per_block=64))
+    got = np.asarray(ops.index_scores(*case.args, **kernel))
+    want = case.scores
+    width = min(want.shape[1], got.shape[1])
+    assert np.isneginf(want[:, width:]).all() and np.isneginf(got[:, width:]).all()
+    want, got = want[:, :width], got[:, :width]
+    candidates = np.isfinite(want)
+    np.testing.assert_array_equal(candidates.sum(1), case.visible)
+    np.testing.assert_array_equal(np.isfinite(got), candidates)
+    assert_close(got[candidates], want[candidates], "float32")
+
+    picks = np.asarray(ops.index_topk(*case.args, **kernel))
+    k, compared = case.model.index_topk, 0
+    for b, row in enumerate(want):
+        top = np.sort(row[candidates[b]])[::-1]
+        # ReLU ties make several top-k sets correct; compare where the cut is clear.
+        if len(top) > k and top[k - 1] - top[k] < 1e-4:
+            continue
+        assert set(picks[b]) == set(case.picks[b]), f"row {b} (length {case.lengths[b]})"
+        compared += 1
+    assert compared >= len(want) - 1

@@ -1,0 +1,115 @@
+"""Every kernel lowers for its platform at V4 sizes (hd 512, r 64, 64 heads, W 128, c 128,
+k 512, P 256, bf16 storage): TPU kernels to Mosaic, GPU kernels to Triton IR.
+
+Lowering runs on CPU (cross-platform lowering), so CI catches a primitive, a block shape or a
+grid spec that the Mosaic or Triton lowering rejects. It does not run the Mosaic layout passes
+or the Triton compiler, which only a TPU or GPU host runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.compress import gpu as compress_gpu
+from pallas_kernels.compress import tpu as compress_tpu
+from pallas_kernels.dense_attention import gpu as dense_gpu
+from pallas_kernels.dense_attention import tpu as dense_tpu
+from pallas_kernels.indexer import gpu as indexer_gpu
+from pallas_kernels.indexer import tpu as indexer_tpu
+from pallas_kernels.sparse_attention import gpu as sparse_gpu
+from pallas_kernels.sparse_attention import tpu as sparse_tpu
+
+B, H, HD, W, NI, C, K = 4, 64, 512, 128, 64, 128, 512
+P, PAGES, MAX_PAGES, LAYERS, KIND_LAYERS, T = 256, 64, 32, 4, 2, 64
+BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+
+
+def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+ATTENTION = dict(q=sds((B, H, HD), F32), sink=sds((H,), F32),
+                 window=sds((LAYERS, B, W, HD), BF16), window_layer=sds((), I32),
+                 slot_ids=sds((B,), I32), q_pos=sds((B,), I32), kv_end=sds((B,), I32))
+ROWS, FREQ = sds((B, MAX_PAGES), I32), sds((1, HD), F32)
+
+
+def _sparse(module):
+    return module.sparse_decode_attention, (
+        *ATTENTION.values(), sds((KIND_LAYERS, PAGES, P // 4, HD), BF16), sds((), I32), ROWS,
+        sds((B, K), I32), FREQ), {}
+
+
+def _dense(module):
+    return module.dense_decode_attention, (
+        *ATTENTION.values(), sds((KIND_LAYERS, PAGES, P // 128, HD), BF16), sds((), I32), ROWS,
+        FREQ), dict(ratio=128)
+
+
+def _indexer(module):
+    return module.index_scores, (
+        sds((B, NI, C), F32), sds((B, NI), F32), sds((KIND_LAYERS, PAGES, P // 4, C), BF16),
+        sds((), I32), ROWS, sds((B,), I32), sds((B,), I32)), dict(ratio=4)
+
+
+def _compress(module, ratio, overlap):
+    in_width = 2 * HD if overlap else HD
+    ring = 2 * ratio if overlap else ratio
+    return module.emit_entries, (
+        sds((KIND_LAYERS, PAGES, P // ratio, HD), BF16), ROWS, sds((KIND_LAYERS,), I32),
+        sds((KIND_LAYERS, B, ring, in_width), F32), sds((KIND_LAYERS, B, ring, in_width), F32),
+        sds((B,), I32), sds((KIND_LAYERS, B, T, in_width), F32),
+        sds((KIND_LAYERS, B, T, in_width), F32), sds((B,), I32), sds((B,), I32),
+        sds((KIND_LAYERS, HD), F32), FREQ), dict(ratio=ratio, overlap=overlap, eps=1e-6)
+
+
+KERNELS = {
+    "sparse": _sparse, "dense": _dense, "indexer": _indexer,
+    "compress_csa": functools.partial(_compress, ratio=4, overlap=True),
+    "compress_hca": functools.partial(_compress, ratio=128, overlap=False),
+}
+MODULES = {
+    "tpu": {"sparse": sparse_tpu, "dense": dense_tpu, "indexer": indexer_tpu,
+            "compress_csa": compress_tpu, "compress_hca": compress_tpu},
+    "cuda": {"sparse": sparse_gpu, "dense": dense_gpu, "indexer": indexer_gpu,
+             "compress_csa": compress_gpu, "compress_hca": compress_gpu},
+}
+
+
+@pytest.fixture
+def tpu_lowering_target(monkeypatch):
+    """Mosaic lowering asks the current device for its TPU generation; stand in a v5p."""
+    try:
+        from jax._src.pallas.mosaic import tpu_info
+    except ImportError:
+        pytest.skip("this jax has no Mosaic TPU info module")
+    if not hasattr(tpu_info, "get_device_kind"):
+        pytest.skip("this jax looks TPU info up differently")
+    monkeypatch.setattr(tpu_info, "get_device_kind", lambda: "TPU v5p")
+    monkeypatch.setattr(tpu_info, "get_num_device_cores", lambda: 1)
+
+
+def _lower(fn, args, kwargs, platform):
+    traced = fn.trace(*args, **kwargs)
+    try:
+        return traced.lower(lowering_platforms=(platform,)).as_text()
+    except TypeError as e:
+        if "lowering_platforms" in str(e):
+            pytest.skip("this jax cannot lower for another platform")
+        raise
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_tpu_kernels_lower_to_mosaic(kernel, tpu_lowering_target):
+    fn, args, kwargs = KERNELS[kernel](MODULES["tpu"][kernel])
+    assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_gpu_kernels_lower_to_triton(kernel):
+    fn, args, kwargs = KERNELS[kernel](MODULES["cuda"][kernel])
+    assert "triton" in _lower(fn, args, kwargs, "cuda")
