@@ -1,0 +1,271 @@
+"""Per-kernel time and achieved bandwidth: compressor, indexer, CSA and HCA decode attention.
+
+Each op runs through `v4kv_jax.ops` with the implementation of `--implementation` (default
+"auto": the Pallas kernels on TPU and GPU, the jnp reference on CPU) on a cache of random
+content at V4-Flash attention widths (hd 512, r 64, 64 heads, 64 x 128 indexer, k 512, W 128,
+m 4, m' 128, bf16 entries and window). For every call the table gives the bytes the op must
+move at the least (entries, keys and window read once, inputs read and entries written once),
+the achieved bandwidth, and its fraction of the copy bandwidth measured in the same run (a
+jitted x + 1 over 1 GiB: 2 GiB moved per call).
+
+    python benchmarks/kernels.py            # CPU-sized contexts (a couple of minutes on CPU)
+    python benchmarks/kernels.py --native   # the sizes of the issue: CSA decode at 32k and
+                                            # 128k, HCA decode at 128k and 1M, compressor
+                                            # prefill of 32k tokens (meant for a TPU / GPU)
+    python benchmarks/kernels.py --implementation pallas_tpu --interpret --csa-contexts 1024 \
+        --hca-contexts 4096 --compress-tokens 512 --repeats 1   # smoke run of the kernel path
+                                                                # on CPU (times meaningless)
+
+Writes benchmarks/results/kernels.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v4kv_jax import config as cfg
+from v4kv_jax import ops, synthetic
+from v4kv_jax.compressor import compressor_specs
+from v4kv_jax.config import LayerKind
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CPU_SIZES = dict(csa=(8192, 32768), hca=(32768, 131072), compress=(8192,))
+NATIVE_SIZES = dict(csa=(32768, 131072), hca=(131072, 1048576), compress=(32768,))
+
+
+def flash_layer(kind: LayerKind, **overrides) -> cfg.AttentionConfig:
+    """V4-Flash attention widths with a single layer of `kind`."""
+    return cfg.flash(compress_ratios=(4,) if kind == LayerKind.CSA else (128,), **overrides)
+
+
+def timed(fn, args, repeats: int):
+    """(seconds of the first call incl. compile, median seconds of `repeats` later calls).
+
+    `fn` returns the new first argument (a donated pool comes back) and anything else."""
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        args = (out[0], *args[1:]) if isinstance(out, tuple) else args
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def copy_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s of a jitted x + 1 over `gib` GiB of fp32 (read + write), best of 5."""
+    x = jnp.zeros((int(gib * 2**28),), jnp.float32)
+    f = jax.jit(lambda v: v + 1)
+    jax.block_until_ready(f(x))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.nbytes / best
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    implementation: str
+    batch: int
+    context: int
+    first_s: float
+    seconds: float
+    bytes: int
+
+    @property
+    def bandwidth(self) -> float:
+        return self.bytes / self.seconds
+
+
+def _decode_cache(kind: LayerKind, batch: int, context: int, seed: int = 0):
+    model = flash_layer(kind)
+    P = 256
+    pages = -(-context // P)
+    geometry = cfg.CacheConfig(num_pages=batch * pages, max_slots=batch, max_pages_per_seq=pages,
+                               page_tokens=P, entry_dtype="bfloat16", window_dtype="bfloat16")
+    cache = synthetic.random_cache(model, geometry, [context] * batch, seed=seed)
+    data = synthetic.SyntheticBatch.draw(model, batch, 1, seed=seed)
+    queries = data.queries(0, np.zeros((batch, 1), int))
+    return model, geometry, cache, queries
+
+
+def _window_bytes(model, batch: int) -> int:
+    return batch * model.window * model.head_dim * 2
+
+
+def _query_bytes(model, batch: int) -> int:  # queries in, outputs out, fp32
+    return 2 * batch * model.num_heads * model.head_dim * 4
+
+
+def bench_csa(batch, context, implementation, interpret, repeats) -> list[Row]:
+    model, geometry, cache, queries = _decode_cache(LayerKind.CSA, batch, context)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    kv_end = jnp.full((batch,), context, jnp.int32)
+    rows = cache.pages.page_table
+    options = dict(implementation=implementation, interpret=interpret)
+    entries = context // model.csa_ratio
+
+    @jax.jit
+    def scores(cache, queries):
+        return ops.index_scores(model, geometry, cache.classical.index_keys, 0, rows,
+                                queries.index_q[:, 0], queries.index_weights[:, 0], kv_end - 1,
+                                kv_end, **options)
+
+    @jax.jit
+    def decode(cache, queries):
+        return ops.decode_attention(cache, LayerKind.CSA, 0, 0, queries, slots, kv_end - 1,
+                                    kv_end, **options)
+
+    picks = ops.index_topk(model, geometry, cache.classical.index_keys, 0, rows,
+                           queries.index_q[:, 0], queries.index_weights[:, 0], kv_end - 1, kv_end,
+                           implementation="reference")
+
+    @jax.jit
+    def sparse(cache, queries):
+        return ops.sparse_decode_attention(
+            model, geometry, queries.q[:, 0], queries.sink, cache.state.window, 0, slots,
+            kv_end - 1, kv_end, cache.classical.c4, 0, rows, picks, **options)
+
+    key_bytes = batch * entries * model.index_head_dim * 2
+    pick_bytes = batch * model.index_topk * (model.head_dim * 2 + 4)
+    index_q = batch * model.index_heads * (model.index_head_dim + 1) * 4
+    impl = ops.selected(model, geometry, implementation, interpret)[0]
+    out = []
+    for name, fn, nbytes in (
+            ("indexer scores", scores, key_bytes + index_q + batch * entries * 4),
+            ("csa sparse attention", sparse,
+             pick_bytes + _window_bytes(model, batch) + _query_bytes(model, batch)),
+            ("csa decode (indexer+top-k+attention)", decode,
+             key_bytes + index_q + pick_bytes + _window_bytes(model, batch)
+             + _query_bytes(model, batch))):
+        first, seconds = timed(fn, (cache, queries), repeats)
+        out.append(Row(name, impl, batch, context, first, seconds, nbytes))
+    return out
+
+
+def bench_hca(batch, context, implementation, interpret, repeats) -> list[Row]:
+    model, geometry, cache, queries = _decode_cache(LayerKind.HCA, batch, context)
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    kv_end = jnp.full((batch,), context, jnp.int32)
+
+    @jax.jit
+    def dense(cache, queries):
+        return ops.decode_attention(cache, LayerKind.HCA, 0, 0, queries, slots, kv_end - 1,
+                                    kv_end, implementation=implementation, interpret=interpret)
+
+    nbytes = (batch * (context // model.hca_ratio) * model.head_dim * 2
+              + _window_bytes(model, batch) + _query_bytes(model, batch))
+    first, seconds = timed(dense, (cache, queries), repeats)
+    impl = ops.selected(model, geometry, implementation, interpret)[0]
+    return [Row("hca dense attention", impl, batch, context, first, seconds, nbytes)]
+
+
+def bench_compress(tokens, implementation, interpret, repeats) -> list[Row]:
+    """Prefill of `tokens` tokens into one empty slot, CSA main compressor (the widest)."""
+    model = flash_layer(LayerKind.CSA)
+    spec = next(s for s in compressor_specs(model) if s.name == "csa")
+    P = 256
+    geometry = cfg.CacheConfig(num_pages=-(-tokens // P), max_slots=1,
+                               max_pages_per_seq=-(-tokens // P), page_tokens=P,
+                               entry_dtype="bfloat16")
+    cache = synthetic.random_cache(model, geometry, [tokens])
+    rng = np.random.default_rng(0)
+    kv = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
+    gate = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
+    tail = cache.state.tail("csa")
+    zero = jnp.zeros((1,), jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def emit(pool, kv, gate):
+        return (ops.emit_entries(spec, model, geometry, pool, cache.pages.page_table,
+                                 jnp.zeros((1,), jnp.int32), tail.kv, tail.gate, zero, kv, gate,
+                                 zero, jnp.full((1,), tokens, jnp.int32),
+                                 jnp.ones((1, spec.width), jnp.float32),
+                                 implementation=implementation, interpret=interpret),)
+
+    nbytes = 2 * tokens * spec.in_width * 4 + (tokens // spec.ratio) * spec.width * 2
+    first, seconds = timed(emit, (jnp.copy(cache.classical.c4), kv, gate), repeats)
+    impl = ops.selected(model, geometry, implementation, interpret)[0]
+    return [Row("compressor prefill (csa)", impl, 1, tokens, first, seconds, nbytes)]
+
+
+HEADER = (f"{'op':<38} {'impl':<11} {'B':>3} {'context':>8} {'ms/call':>9} {'MB':>9} "
+          f"{'GB/s':>8} {'of copy':>8}")
+
+
+def _format(row: Row, copy_bw: float) -> str:
+    return (f"{row.op:<38} {row.implementation:<11} {row.batch:>3} {row.context:>8} "
+            f"{row.seconds * 1e3:>9.3f} {row.bytes / 1e6:>9.2f} {row.bandwidth / 1e9:>8.2f} "
+            f"{row.bandwidth / copy_bw:>7.1%}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--native", action="store_true",
+                   help="the issue's sizes: CSA 32k/128k, HCA 128k/1M, compressor 32k")
+    p.add_argument("--implementation", default="auto", choices=ops.IMPLEMENTATIONS)
+    p.add_argument("--interpret", action="store_true",
+                   help="run Pallas kernels in interpret mode (checks the path; times are not "
+                        "kernel times)")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--csa-contexts", type=int, nargs="+")
+    p.add_argument("--hca-contexts", type=int, nargs="+")
+    p.add_argument("--compress-tokens", type=int, nargs="+")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "kernels.json"))
+    args = p.parse_args(argv)
+    sizes = dict(NATIVE_SIZES if args.native else CPU_SIZES)
+    for key, given in (("csa", args.csa_contexts), ("hca", args.hca_contexts),
+                       ("compress", args.compress_tokens)):
+        if given:
+            sizes[key] = tuple(given)
+
+    copy_bw = copy_bandwidth()
+    device = jax.devices()[0]
+    print(f"backend {jax.default_backend()} ({device.device_kind}); copy bandwidth "
+          f"(x + 1 over 1 GiB, read + write): {copy_bw / 1e9:.1f} GB/s", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+
+    def run(results):
+        for row in results:
+            rows.append(row)
+            print(_format(row, copy_bw), flush=True)
+
+    for context in sizes["csa"]:
+        run(bench_csa(args.batch, context, args.implementation, args.interpret, args.repeats))
+    for context in sizes["hca"]:
+        run(bench_hca(args.batch, context, args.implementation, args.interpret, args.repeats))
+    for tokens in sizes["compress"]:
+        run(bench_compress(tokens, args.implementation, args.interpret, args.repeats))
+
+    result = dict(
+        backend=jax.default_backend(), device=device.device_kind, jax=jax.__version__,
+        machine=platform.machine(), copy_bandwidth_bytes_per_s=copy_bw, native=args.native,
+        requested_implementation=args.implementation, interpret=args.interpret,
+        rows=[dict(dataclasses.asdict(r), bandwidth_bytes_per_s=r.bandwidth,
+                   fraction_of_copy=r.bandwidth / copy_bw) for r in rows])
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
