@@ -17,15 +17,17 @@ import jax.numpy as jnp
 from pallas_kernels.common import HIGHEST, MASK_VALUE
 
 
-def ring_positions(kv_end, shape, axis: int, window: int) -> jax.Array:
-    """i32[shape]: the position held by each ring row (rows along `axis`), given kv_end."""
-    row = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+def ring_positions(kv_end, shape, axis: int, window: int, first_row: int = 0) -> jax.Array:
+    """i32[shape]: the position held by ring rows first_row, first_row + 1, ... (along
+    `axis`), given kv_end."""
+    row = first_row + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
     # kv_end - 1 - row + window >= 0, so the remainder is taken of a non-negative number.
     return kv_end - 1 - jax.lax.rem(kv_end - 1 - row + window, window)
 
 
-def window_visible(q_pos, kv_end, shape, axis: int, window: int) -> jax.Array:
-    pos = ring_positions(kv_end, shape, axis, window)
+def window_visible(q_pos, kv_end, shape, axis: int, window: int, first_row: int = 0
+                   ) -> jax.Array:
+    pos = ring_positions(kv_end, shape, axis, window, first_row)
     return (pos >= 0) & (pos <= q_pos) & (pos > q_pos - window)
 
 

@@ -126,13 +126,13 @@ def emit_entries(spec: comp.CompressorSpec, model: AttentionConfig, geometry: Ca
     if impl == "reference":
         return comp.emit_entries(spec, model, geometry, pool, page_rows, layers, tail_kv,
                                  tail_gate, slot_ids, kv, gate, start, n_new, norm)
-    from pallas_kernels.compress import BlockSizes, gpu, tpu
+    from pallas_kernels.compress import gpu, tpu
 
     module = tpu if impl == "pallas_tpu" else gpu
     return module.emit_entries(
         pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate, start, n_new, norm,
         _lane_freq(model, spec.kind, spec.width), ratio=spec.ratio, overlap=spec.overlap,
-        eps=model.rms_eps, block_sizes=block_sizes or BlockSizes(), interpret=interpret)
+        eps=model.rms_eps, block_sizes=block_sizes, interpret=interpret)
 
 
 # --- indexer ------------------------------------------------------------------------------------
@@ -161,12 +161,12 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, index_keys: jax.
                                               queries, q_pos[:, None], kv_end)
         return scores[:, 0]
     from pallas_kernels.common import MASKED_BELOW
-    from pallas_kernels.indexer import BlockSizes, gpu, tpu
+    from pallas_kernels.indexer import gpu, tpu
 
     module = tpu if impl == "pallas_tpu" else gpu
     scores = module.index_scores(
         index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
-        ratio=model.csa_ratio, block_sizes=block_sizes or BlockSizes(), interpret=interpret)
+        ratio=model.csa_ratio, block_sizes=block_sizes, interpret=interpret)
     # Ids past what the kernel visited hold whatever the output buffer held.
     visible = jnp.minimum((q_pos + 1) // model.csa_ratio, kv_end // model.csa_ratio)
     ids = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :]
@@ -243,14 +243,14 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig, q: ja
     if impl == "reference":
         return _reference_decode(model, geometry, LayerKind.CSA, q, sink, window, window_layer,
                                  slot_ids, q_pos, kv_end, c4, c4_layer, page_rows, picks)
-    from pallas_kernels.sparse_attention import BlockSizes, gpu, tpu
+    from pallas_kernels.sparse_attention import gpu, tpu
 
     module = tpu if impl == "pallas_tpu" else gpu
     return module.sparse_decode_attention(
         q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4, c4_layer, page_rows,
         sanitize_picks(geometry, model, page_rows, picks),
         _lane_freq(model, LayerKind.CSA, model.head_dim),
-        block_sizes=block_sizes or BlockSizes(), interpret=interpret)
+        block_sizes=block_sizes, interpret=interpret)
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig, q: jax.Array,
@@ -268,13 +268,13 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig, q: jax
     if impl == "reference":
         return _reference_decode(model, geometry, LayerKind.HCA, q, sink, window, window_layer,
                                  slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)
-    from pallas_kernels.dense_attention import BlockSizes, gpu, tpu
+    from pallas_kernels.dense_attention import gpu, tpu
 
     module = tpu if impl == "pallas_tpu" else gpu
     return module.dense_decode_attention(
         q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128, c128_layer, page_rows,
         _lane_freq(model, LayerKind.HCA, model.head_dim), ratio=model.hca_ratio,
-        block_sizes=block_sizes or BlockSizes(), interpret=interpret)
+        block_sizes=block_sizes, interpret=interpret)
 
 
 def decode_attention(cache, kind: LayerKind, layer, kind_layer, queries: Queries,

@@ -24,6 +24,9 @@ from pallas_kernels.common import check_power_of_two, rotate_lanes, triton_compi
 from pallas_kernels.compress.blocks import BlockSizes
 from pallas_kernels.compress.pooling import softmax_pool
 
+# Tiles of [blocks, slots, 32 channels] with blocks * slots <= 128 (4K values per gather).
+DEFAULT_BLOCK_SIZES = BlockSizes(blocks_per_step=64, slot_rows_per_step=128, channels_per_step=32)
+
 
 def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, freq_ref, kv_ref,
             gate_ref, ring_kv_ref, ring_gate_ref, pool_in_ref, pool_ref, *, ratio: int,
@@ -109,7 +112,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
     width = pool.shape[-1]
     slots = 2 * ratio if overlap else ratio
     blocks = -(-tokens // ratio)
-    bs = (block_sizes or BlockSizes()).for_gpu(blocks, slots, width)
+    bs = (block_sizes or DEFAULT_BLOCK_SIZES).for_gpu(blocks, slots, width)
     check_power_of_two(width=width, slots=slots)
     steps = -(-blocks // bs.blocks_per_step)
     kernel = functools.partial(

@@ -25,10 +25,14 @@ from pallas_kernels.common import (
 from pallas_kernels.dense_attention.blocks import BlockSizes
 from pallas_kernels.sparse_attention.gpu import MIN_DOT, derotate
 
+# Triton keeps tiles in registers: 32 entries of hd = 512 per tile; 8 splits keep enough
+# programs in flight for a few slots at long context.
+DEFAULT_BLOCK_SIZES = BlockSizes(entries_per_block=32, heads_per_block=16, num_splits=8)
+
 
 def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, window_ref, c128_ref,
             acc_ref, m_ref, l_ref, *, block: int, num_splits: int, entries_per_page: int,
-            max_pages: int, ratio: int, window: int, scale: float):
+            max_pages: int, ratio: int, window: int, window_block: int, scale: float):
     b, split = pl.program_id(0), pl.program_id(2)
     q = q_ref[...].astype(jnp.float32)
     heads = q.shape[0]
@@ -37,10 +41,13 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, windo
              jnp.zeros(q.shape, jnp.float32))
 
     def fold_window(state):
-        ring = window_ref[layers_ref[0], slot_ref[b], :, :].astype(jnp.float32)
-        rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
-        lanes = decode.window_visible(q_pos, kv_end, (1, window), 1, window)
-        return decode.fold(state, q, jnp.where(rows, ring, 0.0), lanes, scale)
+        for first in range(0, window, window_block):  # tiles of the ring, not all W rows
+            ring = window_ref[layers_ref[0], slot_ref[b], pl.ds(first, window_block), :]
+            rows = decode.window_visible(q_pos, kv_end, (window_block, 1), 0, window, first)
+            lanes = decode.window_visible(q_pos, kv_end, (1, window_block), 1, window, first)
+            state = decode.fold(state, q, jnp.where(rows, ring.astype(jnp.float32), 0.0), lanes,
+                                scale)
+        return state
 
     state = jax.lax.cond(split == 0, fold_window, lambda s: s, state)
 
@@ -75,7 +82,7 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
     epp, max_pages = c128.shape[2], page_rows.shape[1]
-    bs = (block_sizes or BlockSizes()).clamped(max_pages * epp, heads)
+    bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(max_pages * epp, heads)
     block, bh = max(bs.entries_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)
     check_power_of_two(head_dim=dim, window=window_len,
                        entries_per_block=block, heads_per_block=bh)
@@ -91,7 +98,7 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
                kv_end.astype(jnp.int32), page_rows.astype(jnp.int32))
     kernel = functools.partial(_kernel, block=block, num_splits=splits, entries_per_page=epp,
                                max_pages=max_pages, ratio=ratio, window=window_len,
-                               scale=dim**-0.5)
+                               window_block=min(block, window_len), scale=dim**-0.5)
     acc, m, denom = pl.pallas_call(
         kernel,
         grid=(batch, padded_heads // bh, splits),

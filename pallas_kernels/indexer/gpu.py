@@ -26,6 +26,9 @@ from pallas_kernels.common import (
 from pallas_kernels.indexer.blocks import BlockSizes
 from pallas_kernels.sparse_attention.gpu import MIN_DOT
 
+# One program scores 128 keys: a [nI, 128] score tile stays in registers.
+DEFAULT_BLOCK_SIZES = BlockSizes(entries_per_block=128)
+
 
 def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_ref, scores_ref, *,
             block: int, entries_per_page: int, max_pages: int, ratio: int, heads: int):
@@ -55,7 +58,8 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
     """Same contract as `pallas_kernels.indexer.tpu.index_scores`."""
     batch, heads, dim = index_q.shape
     epp, max_pages = index_keys.shape[2], page_rows.shape[1]
-    block = max((block_sizes or BlockSizes()).clamped(max_pages * epp).entries_per_block, MIN_DOT)
+    bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(max_pages * epp)
+    block = max(bs.entries_per_block, MIN_DOT)
     padded_heads = max(MIN_DOT, next_power_of_two(heads))
     check_power_of_two(index_head_dim=dim, entries_per_block=block,
                        index_heads_padded=padded_heads)

@@ -29,11 +29,13 @@ from pallas_kernels.common import (
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 MIN_DOT = 16  # smallest matmul dimension Triton accepts
+# Triton keeps tiles in registers: 32 rows of hd = 512 per tile; 4 splits of the k picks.
+DEFAULT_BLOCK_SIZES = BlockSizes(picks_per_block=32, heads_per_block=16, num_splits=4)
 
 
 def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, picks_ref, q_ref,
             window_ref, c4_ref, acc_ref, m_ref, l_ref, *, block: int, num_splits: int,
-            entries_per_page: int, window: int, scale: float):
+            entries_per_page: int, window: int, window_block: int, scale: float):
     b, split = pl.program_id(0), pl.program_id(2)
     q = q_ref[...].astype(jnp.float32)
     heads = q.shape[0]
@@ -42,10 +44,13 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
              jnp.zeros(q.shape, jnp.float32))
 
     def fold_window(state):
-        ring = window_ref[layers_ref[0], slot_ref[b], :, :].astype(jnp.float32)
-        rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
-        lanes = decode.window_visible(q_pos, kv_end, (1, window), 1, window)
-        return decode.fold(state, q, jnp.where(rows, ring, 0.0), lanes, scale)
+        for first in range(0, window, window_block):  # tiles of the ring, not all W rows
+            ring = window_ref[layers_ref[0], slot_ref[b], pl.ds(first, window_block), :]
+            rows = decode.window_visible(q_pos, kv_end, (window_block, 1), 0, window, first)
+            lanes = decode.window_visible(q_pos, kv_end, (1, window_block), 1, window, first)
+            state = decode.fold(state, q, jnp.where(rows, ring.astype(jnp.float32), 0.0), lanes,
+                                scale)
+        return state
 
     state = jax.lax.cond(split == 0, fold_window, lambda s: s, state)
 
@@ -91,7 +96,7 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
     topk, epp = picks.shape[1], c4.shape[2]
-    bs = (block_sizes or BlockSizes()).clamped(topk, heads)
+    bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(topk, heads)
     block, bh = max(bs.picks_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)
     check_power_of_two(head_dim=dim, window=window_len,
                        picks_per_block=block, heads_per_block=bh)
@@ -110,7 +115,8 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     scalars = (layers, slot_ids.astype(jnp.int32), q_pos.astype(jnp.int32),
                kv_end.astype(jnp.int32), blocks, page_rows.astype(jnp.int32), picks)
     kernel = functools.partial(_kernel, block=block, num_splits=splits, entries_per_page=epp,
-                               window=window_len, scale=dim**-0.5)
+                               window=window_len,
+                               window_block=min(block, window_len), scale=dim**-0.5)
     acc, m, denom = pl.pallas_call(
         kernel,
         grid=(batch, padded_heads // bh, splits),

@@ -38,7 +38,7 @@ def lengths_for(page_tokens: int) -> list[int]:
 
 
 def model_for(heads: int, **overrides) -> v4.AttentionConfig:
-    fields = dict(num_heads=heads, o_groups=1, index_heads=16, index_topk=48)
+    fields = dict(num_heads=heads, o_groups=1, index_heads=16, index_topk=48, window=32)
     fields.update(overrides)
     return v4.tiny(**fields)
 
