@@ -300,6 +300,8 @@ class CacheConfig:
                 raise ValueError(f"{name}={value!r} must be one of {_DTYPES}")
         if self.kernels not in KERNEL_IMPLEMENTATIONS:
             raise ValueError(f"kernels={self.kernels!r} must be one of {KERNEL_IMPLEMENTATIONS}")
+        if not isinstance(self.interpret_kernels, bool):
+            raise ValueError(f"interpret_kernels={self.interpret_kernels!r} must be a bool")
 
     @property
     def max_seq_len(self) -> int:

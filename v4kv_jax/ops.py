@@ -121,7 +121,11 @@ def emit_entries(spec: comp.CompressorSpec, model: AttentionConfig, geometry: Ca
                  implementation: str | None = None, interpret: bool | None = None,
                  block_sizes=None) -> jax.Array:
     """Entries of every block the chunk completes, written into the pool (in place under
-    donation). Arguments as `compressor.emit_entries`; returns the updated pool."""
+    donation). Arguments as `compressor.emit_entries`; returns the updated pool.
+
+    The Pallas kernels alias the pool to their output and donate it: called outside jit,
+    the `pool` passed in is consumed (use the returned one).
+    """
     impl, interpret = selected(model, geometry, implementation, interpret)
     if impl == "reference":
         return comp.emit_entries(spec, model, geometry, pool, page_rows, layers, tail_kv,

@@ -59,6 +59,7 @@ def decode_positions(lengths) -> tuple[jax.Array, jax.Array]:
 
 def random_cache(model, page_tokens: int, dtype: str, lengths, seed: int = 0, spare_pages=2):
     """A cache holding `lengths` tokens of random content per slot; unused pages are NaN.
+    Entries, window ring and compressor tails are stored in `dtype`.
 
     The bookkeeping is what `synthetic.random_cache` builds (slot b takes its pages after
     slot b - 1); the content is drawn with numpy, which is much faster on CPU than compiling
@@ -70,7 +71,7 @@ def random_cache(model, page_tokens: int, dtype: str, lengths, seed: int = 0, sp
     geometry = v4.CacheConfig(
         num_pages=used + spare_pages, max_slots=len(lengths) + 1,
         max_pages_per_seq=int(need.max()) + 1, page_tokens=page_tokens, entry_dtype=dtype,
-        window_dtype=dtype)
+        window_dtype=dtype, tail_dtype=dtype)
     cache = v4.init_cache(model, geometry)
     rng = np.random.default_rng(seed)
 

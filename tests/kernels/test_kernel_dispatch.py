@@ -63,6 +63,8 @@ def test_unknown_implementations_are_rejected_by_name():
         ops.resolve("triton")
     with pytest.raises(ValueError, match=r"kernels='xla' must be one of"):
         v4.CacheConfig(num_pages=1, max_slots=1, max_pages_per_seq=1, kernels="xla")
+    with pytest.raises(ValueError, match=r"interpret_kernels='yes' must be a bool"):
+        v4.CacheConfig(num_pages=1, max_slots=1, max_pages_per_seq=1, interpret_kernels="yes")
     with pytest.raises(ValueError, match="decode kernels exist for CSA and HCA layers only"):
         ops.decode_attention(v4.init_cache(MODEL, GEOMETRY), v4.LayerKind.SWA, 0, 0, None,
                              jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
