@@ -7,8 +7,8 @@ x -> x + attn(RMSNorm(x)) per layer (transformers: `DeepseekV4Attention` + `Deep
 on a `DynamicCache`, eager attention, `--torch-threads` threads).
 
 Measured, side by side:
-  prefill tokens/s   from an empty cache to each prefill context (v4kv in `--chunk`-token
-                     chunks, one compiled program; transformers in one call)
+  prefill tokens/s   from an empty cache to each context, both in `--chunk`-token chunks
+                     (v4kv: one compiled program for every chunk)
   decode step        median over `--steps` single-token steps of the whole batch, at each
                      decode context (the cache filled by a real prefill on both sides;
                      transformers is skipped where its prefill passes `--torch-limit-s`)
@@ -19,6 +19,11 @@ Measured, side by side:
 
     python benchmarks/model.py                       # writes benchmarks/results/model.json
     python benchmarks/model.py --decode-contexts 1024 4096 --prefill-contexts 1024
+
+Run it on an otherwise idle machine: with another process busy, torch's two OpenMP threads
+wait on each other at every barrier (a 1k decode step went from about 25 ms to 1 s here), and
+XLA's thread pool suffers less but too. The load average is printed and stored at the start
+and the end.
 """
 
 from __future__ import annotations
@@ -253,6 +258,10 @@ def run(args) -> dict:
     model = Decoder(ModelConfig(config, vocab_size=8), rngs=nnx.Rngs(0), bias_scale=0.5,
                     scan_layers=args.scan)
     B, D = args.batch, config.hidden_size
+    load_start = os.getloadavg()
+    print(f"load average at start: {load_start[0]:.2f}"
+          + ("  (not idle: timings will suffer, torch's most)" if load_start[0] > 0.5 else ""),
+          flush=True)
     torch_rows, torch_parity = ({}, None) if args.skip_torch else run_torch(model, args)
     bandwidth = read_bandwidth()
     print(f"read bandwidth (jitted sum over 1 GiB): {bandwidth / 2**30:.1f} GiB/s; "
@@ -315,7 +324,8 @@ def run(args) -> dict:
         benchmark="model",
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
                      backend=jax.default_backend(), jax=jax.__version__,
-                     torch_threads=args.torch_threads),
+                     torch_threads=args.torch_threads, load_average_start=load_start[0],
+                     load_average_end=os.getloadavg()[0]),
         config="S", batch=B, chunk=args.chunk, decode_steps=args.steps,
         layers="scanned" if args.scan else "unrolled",
         read_bandwidth_gib_s=bandwidth / 2**30, parity_max_abs=parity,
@@ -323,6 +333,7 @@ def run(args) -> dict:
         kinds=[k.name for k in config.layer_kinds],
     )
     result["targets"] = check_targets(rows)
+    print(f"load average at the end: {result['machine']['load_average_end']:.2f}")
     print(HEADER_NOTE.format(**projections))
     for name, t in result["targets"].items():
         print(f"target {name}: {t['reached']} (want {t['want']}) -> "
@@ -384,8 +395,8 @@ def main(argv=None):
     p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--torch-limit-s", type=float, default=60.0,
                    help="skip transformers from the context whose prefill passes this")
-    p.add_argument("--torch-one-shot-max", type=int, default=4096,
-                   help="longest transformers prefill done in one call (longer: chunked)")
+    p.add_argument("--torch-one-shot-max", type=int, default=0,
+                   help="longest transformers prefill done in one call instead of chunks")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--torch-worker", help=argparse.SUPPRESS)
     p.add_argument("--out", default=os.path.join(HERE, "results", "model.json"))
