@@ -11,7 +11,10 @@ Measured, side by side:
                      (v4kv: one compiled program for every chunk)
   decode step        median over `--steps` single-token steps of the whole batch, at each
                      decode context (the cache filled by a real prefill on both sides;
-                     transformers is skipped where its prefill passes `--torch-limit-s`)
+                     transformers is skipped where its prefill passes `--torch-limit-s`);
+                     the v4kv cache is sized to the next power of two of the context
+                     (`--capacity bucket`: part of the reference attention's cost follows
+                     the capacity) or to the longest context for all (`shared`)
   roofline           (weights + cache bytes one decode step must read) / read bandwidth,
                      the bandwidth measured in the same run by a jitted sum over 1 GiB
   projections        the v4kv stack's projections alone (no cache, no attention), to show
@@ -267,8 +270,24 @@ def run(args) -> dict:
     print(f"read bandwidth (jitted sum over 1 GiB): {bandwidth / 2**30:.1f} GiB/s; "
           f"{jax.default_backend()} backend, {os.cpu_count()} CPUs, layers "
           f"{'scanned' if args.scan else 'unrolled'}", flush=True)
-    capacity = max(contexts(args)) + args.steps + 2
-    stack = V4Stack(model, B, capacity, args.chunk)
+    stacks: dict[int, V4Stack] = {}
+
+    def stack_for(context: int) -> V4Stack:
+        """The stack whose cache holds `context` + the decode steps: one shared capacity
+        (the longest context) or the next power of two (a capacity bucket per context)."""
+        need = context + args.steps + 2
+        if args.capacity == "shared":
+            need = max(contexts(args)) + args.steps + 2
+        else:
+            need = 1 << (need - 1).bit_length()
+        if need not in stacks:
+            stack = V4Stack(model, B, need, args.chunk)
+            warm = stack.new_cache()
+            warm, y = stack(warm, jnp.zeros((B, args.chunk, D), jnp.float32))  # compiles
+            warm, y = stack(warm, jnp.zeros((B, 1, D), jnp.float32))  # the decode program
+            jax.block_until_ready(y)
+            stacks[need] = stack
+        return stacks[need]
 
     x = np.random.default_rng(1).standard_normal((B, PARITY_TOKENS, D)).astype(np.float32)
     parity = None
@@ -279,12 +298,6 @@ def run(args) -> dict:
         print(f"same weights, same inputs: max |v4kv - transformers| over {PARITY_TOKENS} "
               f"tokens = {parity:.2e} (outputs up to {np.abs(torch_parity).max():.1f})",
               flush=True)
-    warm = stack.new_cache()
-    warm, y = stack(warm, jnp.asarray(x[:, :1].repeat(args.chunk, axis=1)))  # compiles
-    warm, y = stack(warm, jnp.asarray(x[:, :1]))  # compiles the decode program
-    jax.block_until_ready(y)
-    del warm
-
     proj, proj_params = projections_only(model)
     rng = np.random.default_rng(2)
     proj_decode = jnp.asarray(x[:, :1])
@@ -298,8 +311,10 @@ def run(args) -> dict:
     rows = []
     for context in contexts(args):
         xs = inputs(context, args.steps, B, D)
+        stack = stack_for(context)
         cache, v4_prefill_s = stack.prefill(jnp.asarray(xs[:, :context]))
-        row = dict(context=context, v4_prefill_tok_s=B * context / v4_prefill_s)
+        row = dict(context=context, capacity=stack.geometry.max_seq_len,
+                   v4_prefill_tok_s=B * context / v4_prefill_s)
         if context in args.decode_contexts:
             token = [jnp.asarray(xs[:, context + i:context + i + 1]) for i in range(args.steps)]
             times = []
@@ -327,6 +342,7 @@ def run(args) -> dict:
                      torch_threads=args.torch_threads, load_average_start=load_start[0],
                      load_average_end=os.getloadavg()[0]),
         config="S", batch=B, chunk=args.chunk, decode_steps=args.steps,
+        capacity=args.capacity,
         layers="scanned" if args.scan else "unrolled",
         read_bandwidth_gib_s=bandwidth / 2**30, parity_max_abs=parity,
         projections_only=projections, rows=rows,
@@ -388,8 +404,11 @@ def main(argv=None):
     p.add_argument("--prefill-contexts", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10, help="decode steps timed per context")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per context")
     p.add_argument("--chunk", type=int, default=512, help="v4kv prefill chunk")
+    p.add_argument("--capacity", choices=["bucket", "shared"], default="bucket",
+                   help="cache capacity per context: the next power of two (one compiled "
+                        "program per bucket) or the longest context's for all")
     p.add_argument("--scan", action="store_true",
                    help="scan over layer groups (stacked params) instead of unrolling")
     p.add_argument("--torch-threads", type=int, default=2)
