@@ -274,12 +274,11 @@ def run(args) -> dict:
 
     def stack_for(context: int) -> V4Stack:
         """The stack whose cache holds `context` + the decode steps: one shared capacity
-        (the longest context) or the next power of two (a capacity bucket per context)."""
-        need = context + args.steps + 2
+        (the longest context's) or the context's power-of-two bucket (+ the steps)."""
         if args.capacity == "shared":
             need = max(contexts(args)) + args.steps + 2
         else:
-            need = 1 << (need - 1).bit_length()
+            need = (1 << (context - 1).bit_length()) + args.steps + 2
         if need not in stacks:
             stack = V4Stack(model, B, need, args.chunk)
             warm = stack.new_cache()
