@@ -46,9 +46,14 @@ def _fresh_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
     return cache
 
 
+_traces = 0  # how many times `_generate` was traced (each trace is one compiled program)
+
+
 def _generate(graphdef, params, cache: Cache, prompts: jax.Array, prompt_lengths: jax.Array,
               key: jax.Array, temperature: jax.Array, eos_id: jax.Array, *,
               max_new_tokens: int, prefill_chunk: int):
+    global _traces
+    _traces += 1  # Python code in a jitted function runs only while it is traced
     model = nnx.merge(graphdef, params)
     batch, buffer = prompts.shape
     slot_ids = jnp.arange(batch, dtype=jnp.int32)
@@ -192,8 +197,9 @@ class Generator:
 
     @staticmethod
     def compiled_programs() -> int:
-        """How many programs the jitted loop has compiled (all generators together)."""
-        return _generate_jit._cache_size()
+        """How many programs the jitted loop has traced and compiled (all generators
+        together)."""
+        return _traces
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
