@@ -138,6 +138,18 @@ def end_append(cache: Cache, plan: AppendPlan) -> Cache:
     return cache.replace(state=cache.state.replace(lengths=lengths))
 
 
+def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """x, data-dependent on `dep` through a term that is always 0 (NaN included) and that XLA
+    cannot fold.
+
+    XLA:CPU puts an in-place write of a buffer after an earlier read of it only when the
+    written values depend on the read; otherwise (an optimization barrier does not help) it
+    copies the whole buffer, every step. Pass the read's result as `dep`.
+    """
+    d = dep.ravel()[0]
+    return x + ((d != d) & (d == d)).astype(x.dtype)
+
+
 def _write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
                   ) -> Cache:
     """window: [n, B, T, hd] for global layers `layers` i32[n]."""
@@ -172,9 +184,10 @@ def _append_compressor(cache: Cache, plan: AppendPlan, spec: comp.CompressorSpec
 
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
+    # The emission read the tails: the writes below must come after it.
     new_tail = tail.replace(
-        kv=tail.kv.at[idx].set(kv.astype(tail.kv.dtype), mode="drop"),
-        gate=tail.gate.at[idx].set(gate.astype(tail.gate.dtype), mode="drop"),
+        kv=tail.kv.at[idx].set(_after(kv, pool).astype(tail.kv.dtype), mode="drop"),
+        gate=tail.gate.at[idx].set(_after(gate, pool).astype(tail.gate.dtype), mode="drop"),
     )
     return cache.replace(
         classical=cache.classical.with_entries(spec.name, pool),
@@ -239,8 +252,12 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
     model, geo = cache.model, cache.geometry
     tokens = vectors.window.shape[1]
     W = model.window
-    old_ring = cache.state.window[ref.layer, plan.slot_ids]
-    cache = _write_window(cache, plan, ref.layer[None], vectors.window[None])
+    new_window = vectors.window
+    if tokens > 1:
+        # Prefill attends over the window as it was before the chunk: read it first.
+        old_ring = cache.state.window[ref.layer, plan.slot_ids]
+        new_window = _after(new_window, old_ring)
+    cache = _write_window(cache, plan, ref.layer[None], new_window[None])
     kind_layers = ref.kind_layer[None]
     if ref.kind == LayerKind.CSA:
         specs = {s.name: s for s in cache.specs}
@@ -255,10 +272,9 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
             cache, plan, spec, kind_layers, jax.tree.map(lambda x: x[None], vectors.compressor),
             jax.tree.map(lambda x: x[None], params.compressor))
 
-    if tokens == 1 and ref.kind != LayerKind.SWA and ops.uses_kernels(model, geo):
-        # Decode: the ring now holds the new token, so the kernels read it from the cache.
-        return cache, ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
-                                           plan.slot_ids, plan.start, plan.end)
+    if tokens == 1:
+        # Decode: the ring and the pools now hold the new token; read them like any decode.
+        return cache, _decode_attention(cache, ref, queries, plan.slot_ids, plan.end)
 
     page_rows = cache.pages.page_table[plan.slot_ids]
     extended = jnp.concatenate(
@@ -302,7 +318,12 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: ja
     Returns:
       f32[B, 1, H, hd].
     """
-    length = cache.state.lengths[slot_ids]
+    return _decode_attention(cache, ref, queries, slot_ids, cache.state.lengths[slot_ids])
+
+
+def _decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
+                      length: jax.Array) -> jax.Array:
+    """Attention of the token at length - 1 of each slot, whose append is in the cache."""
     if ref.kind != LayerKind.SWA and ops.uses_kernels(cache.model, cache.geometry):
         return ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
                                     slot_ids, length - 1, length)
