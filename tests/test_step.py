@@ -204,7 +204,7 @@ def test_ragged_batch_equals_each_request_alone(lengths, sizes, seed):
     for b, L in enumerate(lengths):
         alone_plan = [[n[b]] for n in plan if n[b]]
         cache, out_alone = run_chunks(new_cache(), data, alone_plan, rows=[b], slot_ids=[0])
-        np.testing.assert_allclose(out[:, b, :L], out_alone[:, 0, :L], atol=1e-6)
+        np.testing.assert_allclose(out[:, b, :L], out_alone[:, 0, :L], rtol=2e-6, atol=1e-6)
         for name, a in _logical(batched, b, L).items():
             np.testing.assert_allclose(a, _logical(cache, 0, L)[name], atol=1e-6)
 

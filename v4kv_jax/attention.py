@@ -86,6 +86,17 @@ def _softmax_fold(state: _Softmax, q: jax.Array, keys: jax.Array, visible: jax.A
     )
 
 
+def _fold_key_sets(state: _Softmax, q: jax.Array, key_sets) -> _Softmax:
+    """Folds (keys, visible) sets into the softmax; with T = 1 they are joined into one."""
+    if q.shape[1] == 1 and len(key_sets) > 1:
+        per_slot = [k[:, 0] if k.ndim == 4 else k for k, _ in key_sets]
+        key_sets = [(jnp.concatenate(per_slot, axis=1),
+                     jnp.concatenate([v for _, v in key_sets], axis=2))]
+    for keys, visible in key_sets:
+        state = _softmax_fold(state, q, keys, visible)
+    return state
+
+
 def _gather_pages(pool: jax.Array, layer, page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Entries of whole pages: ([B, n * epp, d], page present bool[B, n * epp])."""
     batch, n = page_ids.shape
@@ -216,31 +227,37 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
       f32[B, T, H, hd].
     """
     q = queries.q.astype(jnp.float32)
-    state = _softmax_init(queries.sink, q)
-
     key_pos = window_base[:, None] + jnp.arange(window_keys.shape[1], dtype=jnp.int32)
     readable = (key_pos >= 0) & (key_pos < kv_end[:, None])
     keys = jnp.where(readable[..., None], window_keys, 0)
     visible = ((key_pos[:, None, :] <= q_pos[..., None])
                & (key_pos[:, None, :] > q_pos[..., None] - model.window)
                & readable[:, None, :])
-    state = _softmax_fold(state, q, keys, visible)
+    # Key sets ([B, K, hd] per slot or [B, T, K, hd] per query, visible [B, T, K]) folded into
+    # one softmax. With one query per slot they are joined first: one pair of dots per layer.
+    state = _softmax_init(queries.sink, q)
+    key_sets = [(keys, visible)]
 
     if kind == LayerKind.HCA:
         m = model.hca_ratio
         epp = geometry.entries_per_page(m)
         seen = _visible_entries(q_pos, kv_end, m)
+        chunk_pages = geometry.read_chunk_pages(geometry.hca_read_entries, m)
 
-        def body(state, page_ids, first):
+        def chunk(page_ids, first):
             ent, present = _gather_pages(entries, layer, page_ids)
             idx = first + jnp.arange(ent.shape[1], dtype=jnp.int32)
             ent = jnp.where(present[..., None], ent, 0)
-            ok = (idx[None, None, :] < seen[..., None]) & present[:, None, :]
-            return _softmax_fold(state, q, ent, ok)
+            return ent, (idx[None, None, :] < seen[..., None]) & present[:, None, :]
 
-        state = paging.fold_page_chunks(
-            page_rows, kv_end // m, epp, geometry.read_chunk_pages(geometry.hca_read_entries, m),
-            body, state)
+        if page_rows.shape[1] <= chunk_pages:  # one read covers every page: no loop
+            key_sets.append(chunk(page_rows, 0))
+        else:
+            state = _fold_key_sets(state, q, key_sets)
+            key_sets = []
+            state = paging.fold_page_chunks(
+                page_rows, kv_end // m, epp, chunk_pages,
+                lambda state, ids, first: _softmax_fold(state, q, *chunk(ids, first)), state)
     elif kind == LayerKind.CSA:
         if picks is None:
             picks = select_topk(model, geometry, index_keys, layer, page_rows, queries, q_pos,
@@ -249,9 +266,9 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
             model.csa_ratio))
         ok = (picks >= 0) & (page >= 0)
         ent = entries[layer, jnp.clip(page, 0, None), row]
-        ent = jnp.where(ok[..., None], ent, 0)
-        state = _softmax_fold(state, q, ent, ok)
+        key_sets.append((jnp.where(ok[..., None], ent, 0), ok))
 
+    state = _fold_key_sets(state, q, key_sets)
     out = state.acc / state.denom[..., None]
     return rope.rotate(out, q_pos[..., None], rope.inv_frequencies(model, kind), inverse=True)
 

@@ -142,7 +142,8 @@ def fold_page_chunks(page_table_rows: jax.Array, num_entries: jax.Array, entries
     """Folds `body` over the used pages of each row, `chunk_pages` pages at a time.
 
     The trip count is a runtime value, ceil(max(num_entries) / entries per chunk), so the cost
-    follows the context actually used, not the page-table capacity.
+    follows the context actually used, not the page-table capacity. When one chunk covers the
+    whole row, `body` runs once without a loop (it must mask entries past `num_entries`).
 
     Args:
       page_table_rows: i32[B, max_pages_per_seq].
@@ -157,6 +158,8 @@ def fold_page_chunks(page_table_rows: jax.Array, num_entries: jax.Array, entries
     padded = padded_pages(max_pages, chunk_pages)
     rows = jnp.pad(page_table_rows, ((0, 0), (0, padded - max_pages)), constant_values=-1)
     per_chunk = chunk_pages * entries_per_page
+    if padded == chunk_pages:
+        return body(init, rows, jnp.int32(0))
     trips = (jnp.max(num_entries) + per_chunk - 1) // per_chunk
 
     def step(i, carry):
