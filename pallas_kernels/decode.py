@@ -52,6 +52,24 @@ def fold(state, q: jax.Array, keys: jax.Array, visible: jax.Array, scale: float)
     return m_new, denom_new, acc_new
 
 
+def fold_window(state, q: jax.Array, ring: jax.Array, q_pos, kv_end, window: int, scale: float,
+                first_row: int = 0):
+    """Folds ring rows first_row.. (`ring` f32[r, d], as read) into the online softmax; rows
+    that are not visible are zeroed first (a ring row may hold anything before it is
+    written)."""
+    rows = ring.shape[0]
+    visible_rows = window_visible(q_pos, kv_end, (rows, 1), 0, window, first_row)
+    visible_lanes = window_visible(q_pos, kv_end, (1, rows), 1, window, first_row)
+    return fold(state, q, jnp.where(visible_rows, ring.astype(jnp.float32), 0.0), visible_lanes,
+                scale)
+
+
+def sink_state(q: jax.Array, sink: jax.Array):
+    """The online-softmax state before any key: (max = sink, sum = 1, acc = 0); sink f32[h, 1]."""
+    return (sink.astype(jnp.float32), jnp.ones((q.shape[0], 1), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+
+
 def combine_partials(acc: jax.Array, m: jax.Array, denom: jax.Array, sink: jax.Array
                      ) -> jax.Array:
     """Merges split-K partial softmax states and the sink (GPU kernels, in XLA).

@@ -43,10 +43,7 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, windo
     def fold_window(state):
         for first in range(0, window, window_block):  # tiles of the ring, not all W rows
             ring = window_ref[layers_ref[0], slot_ref[b], pl.ds(first, window_block), :]
-            rows = decode.window_visible(q_pos, kv_end, (window_block, 1), 0, window, first)
-            lanes = decode.window_visible(q_pos, kv_end, (1, window_block), 1, window, first)
-            state = decode.fold(state, q, jnp.where(rows, ring.astype(jnp.float32), 0.0), lanes,
-                                scale)
+            state = decode.fold_window(state, q, ring, q_pos, kv_end, window, scale, first)
         return state
 
     state = jax.lax.cond(split == 0, fold_window, lambda s: s, state)

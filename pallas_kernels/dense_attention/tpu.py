@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode
+from pallas_kernels import decode, tpu_pipeline
 from pallas_kernels.common import layer_index, rotate_lanes, swap_pairs_tpu, tpu_interpret
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
@@ -37,67 +37,23 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, q_ref, sink_
     num_pages = jax.lax.div(visible + entries_per_page - 1, entries_per_page)
     num_blocks = jax.lax.div(num_pages + pages_per_block - 1, pages_per_block)
 
-    def page_copy(j, i, slot):
-        page = jnp.maximum(table_ref[b * max_pages + j * pages_per_block + i], 0)
-        dst = buf.at[slot, pl.ds(i * entries_per_page, entries_per_page)]
-        return pltpu.make_async_copy(c128_hbm.at[layer, page], dst, sems.at[slot])
-
-    def copied(j, i):
-        col = j * pages_per_block + i
-        return (col < num_pages) & (table_ref[b * max_pages + jnp.minimum(col, max_pages - 1)]
-                                    >= 0)
-
-    def start(j, slot):
-        def one(i, carry):
-            @pl.when(copied(j, i))
-            def _():
-                page_copy(j, i, slot).start()
-
-            return carry
-
-        jax.lax.fori_loop(0, pages_per_block, one, 0)
-
-    def wait(j, slot):
-        def one(i, carry):
-            @pl.when(copied(j, i))
-            def _():
-                page_copy(j, i, slot).wait()
-
-            return carry
-
-        jax.lax.fori_loop(0, pages_per_block, one, 0)
+    start, wait = tpu_pipeline.page_block_copies(
+        table_ref, b, c128_hbm, layer, buf, sems, num_pages=num_pages,
+        pages_per_block=pages_per_block, entries_per_page=entries_per_page, max_pages=max_pages)
 
     q = q_ref[...].astype(jnp.float32)
-    heads = q.shape[0]
-    state = (sink_ref[...].astype(jnp.float32), jnp.ones((heads, 1), jnp.float32),
-             jnp.zeros(q.shape, jnp.float32))
-
-    ring_rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
-    ring = jnp.where(ring_rows, window_ref[...].astype(jnp.float32), 0.0)
-    state = decode.fold(state, q, ring, decode.window_visible(q_pos, kv_end, (1, window), 1,
-                                                              window), scale)
-
-    @pl.when(num_blocks > 0)
-    def _():
-        start(0, 0)
-
+    state = decode.fold_window(decode.sink_state(q, sink_ref[...]), q, window_ref[...], q_pos,
+                               kv_end, window, scale)
     block_entries = pages_per_block * entries_per_page
 
-    def body(j, state):
-        slot = jax.lax.rem(j, 2)
-
-        @pl.when(j + 1 < num_blocks)
-        def _():
-            start(j + 1, 1 - slot)
-
-        wait(j, slot)
+    def body(j, slot, state):
         first = j * block_entries
         rows = first + jax.lax.broadcasted_iota(jnp.int32, (block_entries, 1), 0) < visible
         lanes = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_entries), 1) < visible
         keys = jnp.where(rows, buf[slot].astype(jnp.float32), 0.0)
         return decode.fold(state, q, keys, lanes, scale)
 
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    _, denom, acc = tpu_pipeline.double_buffered(num_blocks, start, wait, body, state)
     out = acc / denom
     angle = q_pos.astype(jnp.float32) * freq_ref[...]
     o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)

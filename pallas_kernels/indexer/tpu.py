@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import tpu_pipeline
 from pallas_kernels.common import HIGHEST, MASK_VALUE, layer_index, tpu_interpret
 from pallas_kernels.indexer.blocks import BlockSizes
 
@@ -36,35 +37,9 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_hbm,
     num_blocks = jax.lax.div(num_pages + pages_per_block - 1, pages_per_block)
     block_entries = pages_per_block * entries_per_page
 
-    def page_copy(j, i, slot):
-        page = jnp.maximum(table_ref[b * max_pages + j * pages_per_block + i], 0)
-        dst = buf.at[slot, pl.ds(i * entries_per_page, entries_per_page)]
-        return pltpu.make_async_copy(keys_hbm.at[layer, page], dst, sems.at[slot])
-
-    def copied(j, i):
-        col = j * pages_per_block + i
-        return (col < num_pages) & (table_ref[b * max_pages + jnp.minimum(col, max_pages - 1)]
-                                    >= 0)
-
-    def start(j, slot):
-        def one(i, carry):
-            @pl.when(copied(j, i))
-            def _():
-                page_copy(j, i, slot).start()
-
-            return carry
-
-        jax.lax.fori_loop(0, pages_per_block, one, 0)
-
-    def wait(j, slot):
-        def one(i, carry):
-            @pl.when(copied(j, i))
-            def _():
-                page_copy(j, i, slot).wait()
-
-            return carry
-
-        jax.lax.fori_loop(0, pages_per_block, one, 0)
+    start, wait = tpu_pipeline.page_block_copies(
+        table_ref, b, keys_hbm, layer, buf, sems, num_pages=num_pages,
+        pages_per_block=pages_per_block, entries_per_page=entries_per_page, max_pages=max_pages)
 
     def score_copy(j, slot):
         dst = scores_hbm.at[pl.ds(b, 1), pl.ds(j * block_entries, block_entries)]
@@ -74,18 +49,7 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_hbm,
     heads, dim = q.shape
     weights = w_ref[...].astype(jnp.float32) * heads**-0.5
 
-    @pl.when(num_blocks > 0)
-    def _():
-        start(0, 0)
-
-    def body(j, carry):
-        slot = jax.lax.rem(j, 2)
-
-        @pl.when(j + 1 < num_blocks)
-        def _():
-            start(j + 1, 1 - slot)
-
-        wait(j, slot)
+    def body(j, slot, carry):
         keys = buf[slot].astype(jnp.float32)
         dots = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=HIGHEST,
                                    preferred_element_type=jnp.float32)
@@ -101,7 +65,7 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_hbm,
         score_copy(j, slot).start()
         return carry
 
-    jax.lax.fori_loop(0, num_blocks, body, 0)
+    tpu_pipeline.double_buffered(num_blocks, start, wait, body, 0)
 
     def drain(back):
         @pl.when(num_blocks >= back)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode
+from pallas_kernels import decode, tpu_pipeline
 from pallas_kernels.common import layer_index, rotate_lanes, swap_pairs_tpu, tpu_interpret
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
@@ -44,59 +44,20 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
     def valid(j, i):
         return picks_ref[b * padded_topk + j * block + i] >= 0
 
-    def start(j, slot):
-        def one(i, carry):
-            @pl.when(valid(j, i))
-            def _():
-                row_copy(j, i, slot).start()
+    def zero_row(j, i, slot):  # -1 picks copy nothing; their row must still be finite
+        buf[slot, pl.ds(i, 1), :] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
 
-            @pl.when(jnp.logical_not(valid(j, i)))
-            def _():
-                buf[slot, pl.ds(i, 1), :] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
-
-            return carry
-
-        jax.lax.fori_loop(0, block, one, 0)
-
-    def wait(j, slot):
-        def one(i, carry):
-            @pl.when(valid(j, i))
-            def _():
-                row_copy(j, i, slot).wait()
-
-            return carry
-
-        jax.lax.fori_loop(0, block, one, 0)
+    start, wait = tpu_pipeline.block_copies(row_copy, valid, block, on_skip=zero_row)
 
     q = q_ref[...].astype(jnp.float32)
-    heads = q.shape[0]
-    state = (sink_ref[...].astype(jnp.float32), jnp.ones((heads, 1), jnp.float32),
-             jnp.zeros(q.shape, jnp.float32))
+    state = decode.fold_window(decode.sink_state(q, sink_ref[...]), q, window_ref[...], q_pos,
+                               kv_end, window, scale)
 
-    ring_rows = decode.window_visible(q_pos, kv_end, (window, 1), 0, window)
-    ring = jnp.where(ring_rows, window_ref[...].astype(jnp.float32), 0.0)
-    state = decode.fold(state, q, ring, decode.window_visible(q_pos, kv_end, (1, window), 1,
-                                                              window), scale)
-
-    num_blocks = blocks_ref[b]
-
-    @pl.when(num_blocks > 0)
-    def _():
-        start(0, 0)
-
-    def body(j, state):
-        slot = jax.lax.rem(j, 2)
-
-        @pl.when(j + 1 < num_blocks)
-        def _():
-            start(j + 1, 1 - slot)
-
-        wait(j, slot)
-        keys = buf[slot].astype(jnp.float32)
+    def body(j, slot, state):
         visible = pick_rows_ref[pl.ds(j, 1), :] >= 0
-        return decode.fold(state, q, keys, visible, scale)
+        return decode.fold(state, q, buf[slot].astype(jnp.float32), visible, scale)
 
-    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, state)
+    _, denom, acc = tpu_pipeline.double_buffered(blocks_ref[b], start, wait, body, state)
     out = acc / denom
     angle = q_pos.astype(jnp.float32) * freq_ref[...]
     o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)

@@ -1,0 +1,96 @@
+"""Double-buffered HBM -> VMEM copy pipelines shared by the TPU kernels.
+
+A kernel reads its operand in blocks: block j is a batch of async copies (whole pages, or
+single rows) into buffer slot j % 2. `double_buffered` starts block j + 1 before it waits
+for block j, so one block is always in flight while the current one is computed on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+
+def block_copies(copy, valid, count: int, on_skip=None):
+    """(start, wait): issue / await the copies of block j into buffer slot `slot`.
+
+    Args:
+      copy: copy(j, i, slot) -> the async copy descriptor of item i of block j.
+      valid: valid(j, i) -> bool, whether item i of block j is copied.
+      count: items per block.
+      on_skip: on_skip(j, i, slot), run by `start` for each item that is not copied.
+    """
+
+    def each(j, slot, action, skip=None):
+        def one(i, carry):
+            ok = valid(j, i)
+
+            @pl.when(ok)
+            def _():
+                action(copy(j, i, slot))
+
+            if skip is not None:
+                @pl.when(jnp.logical_not(ok))
+                def _():
+                    skip(j, i, slot)
+
+            return carry
+
+        jax.lax.fori_loop(0, count, one, 0)
+
+    def start(j, slot):
+        each(j, slot, lambda c: c.start(), on_skip)
+
+    def wait(j, slot):
+        each(j, slot, lambda c: c.wait())
+
+    return start, wait
+
+
+def page_block_copies(table_ref, row, hbm, layer, buf, sems, *, num_pages, pages_per_block: int,
+                      entries_per_page: int, max_pages: int):
+    """(start, wait) for whole pages: block j holds pages j * pages_per_block + i (i <
+    pages_per_block) of page-table row `row`, copied from hbm[layer, page] to rows
+    i * entries_per_page.. of buf[slot]. Pages at or past `num_pages`, and absent pages (-1),
+    are not copied (their buffer rows keep stale data: the caller masks them).
+
+    Args:
+      table_ref: the flattened page table (scalar prefetch), i32[B * max_pages].
+      num_pages: pages of the row to read (traced).
+    """
+
+    def page_copy(j, i, slot):
+        page = jnp.maximum(table_ref[row * max_pages + j * pages_per_block + i], 0)
+        dst = buf.at[slot, pl.ds(i * entries_per_page, entries_per_page)]
+        return pltpu.make_async_copy(hbm.at[layer, page], dst, sems.at[slot])
+
+    def copied(j, i):
+        col = j * pages_per_block + i
+        return (col < num_pages) & (table_ref[row * max_pages + jnp.minimum(col, max_pages - 1)]
+                                    >= 0)
+
+    return block_copies(page_copy, copied, pages_per_block)
+
+
+def double_buffered(num_blocks, start, wait, body, init):
+    """fori_loop of body(j, slot, carry) over j < num_blocks (traced), block j's copies
+    landed in buffer `slot` and block j + 1's in flight."""
+
+    @pl.when(num_blocks > 0)
+    def _():
+        start(0, 0)
+
+    def step(j, carry):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < num_blocks)
+        def _():
+            start(j + 1, 1 - slot)
+
+        wait(j, slot)
+        return body(j, slot, carry)
+
+    return jax.lax.fori_loop(0, num_blocks, step, init)
+
