@@ -326,3 +326,10 @@ def test_vector_shape_errors_name_the_field():
     with pytest.raises(ValueError, match="n_new=\\[2, 1\\] must lie in \\[0, tokens=1\\]"):
         v4.prefill(cache, data.take(np.zeros((2, 1), int), [0, 1]), data.weights,
                    [0, 1], [2, 1])
+
+
+def test_write_ordering_dependency_keeps_values_bit_for_bit():
+    x = jnp.asarray([-0.0, 0.0, jnp.nan, jnp.inf, -jnp.inf, 1.5, -3e-38], jnp.float32)
+    for dep in (jnp.asarray([jnp.nan]), jnp.asarray([[2.0, 1.0]]), jnp.asarray([-jnp.inf])):
+        got = step._after(x, dep)
+        np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(x).view(np.int32))

@@ -139,15 +139,15 @@ def end_append(cache: Cache, plan: AppendPlan) -> Cache:
 
 
 def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
-    """x, data-dependent on `dep` through a term that is always 0 (NaN included) and that XLA
-    cannot fold.
+    """x, bit for bit, data-dependent on `dep` through a term that is always +0 (NaN included;
+    x - (+0) keeps even -0) and that XLA cannot fold.
 
     XLA:CPU puts an in-place write of a buffer after an earlier read of it only when the
     written values depend on the read; otherwise (an optimization barrier does not help) it
     copies the whole buffer, every step. Pass the read's result as `dep`.
     """
     d = dep.ravel()[0]
-    return x + ((d != d) & (d == d)).astype(x.dtype)
+    return x - ((d != d) & (d == d)).astype(x.dtype)
 
 
 def _write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
