@@ -219,12 +219,10 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
     """
     tokens = kv.shape[2]
     block, done = completed_blocks(spec, start, n_new, tokens)
-    # Rows are gathered outside the cond: a conditional reading the whole tail arrays makes
-    # XLA copy them before the in-place tail writes that follow.
-    old_kv = tail_kv[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
-    old_gate = tail_gate[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
 
     def emit():
+        old_kv = tail_kv[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
+        old_gate = tail_gate[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
         inv_freq = rope.inv_frequencies(config, spec.kind)
 
         def one_layer(tkv, tgate, ckv, cgate, weight):
