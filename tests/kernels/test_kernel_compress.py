@@ -10,17 +10,12 @@ import numpy as np
 import pytest
 from kernel_cases import IMPLEMENTATIONS, LONG, TOLERANCE, model_for, random_cache
 
-from pallas_kernels.common import reset_tpu_interpreter
 from pallas_kernels.compress import BlockSizes
 from v4kv_jax import ops
 from v4kv_jax.compressor import compressor_specs
 
 CASES = [(128, "float32", "prefill"), (256, "bfloat16", "prefill"), (128, "bfloat16", "decode"),
          (256, "float32", "decode")]
-
-
-def teardown_function():
-    reset_tpu_interpreter()  # a kernel that failed mid-run leaves interpreter state behind
 
 
 

@@ -11,16 +11,11 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
-from pallas_kernels.common import reset_tpu_interpreter
 from v4kv_jax import ops, step, synthetic
 
 MODEL = v4.tiny(index_heads=16)
 CORE_MODEL = v4.tiny(index_heads=16, compress_ratios=(4, 16, 0))  # one layer per kind
 GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=3, max_pages_per_seq=3, query_tile=16)
-
-
-def teardown_function():
-    reset_tpu_interpreter()  # a kernel that failed mid-run leaves interpreter state behind
 
 
 

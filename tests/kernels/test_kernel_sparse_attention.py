@@ -18,15 +18,9 @@ from kernel_cases import (
     shared_cache,
 )
 
-from pallas_kernels.common import reset_tpu_interpreter
 from pallas_kernels.sparse_attention import BlockSizes
 from v4kv_jax import ops, synthetic
 from v4kv_jax.config import LayerKind
-
-
-def teardown_function():
-    reset_tpu_interpreter()  # a kernel that failed mid-run leaves interpreter state behind
-
 
 
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
