@@ -23,6 +23,8 @@ MASKED_BELOW = 0.5 * MASK_VALUE
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
+MIN_DOT = 16  # smallest matmul dimension Triton accepts (GPU kernels pad up to it)
+
 
 def lane_frequencies(inv_freq: np.ndarray, width: int) -> np.ndarray:
     """f32[1, width]: rotation frequency per lane; the rotated dims are the LAST 2 * len(f)."""

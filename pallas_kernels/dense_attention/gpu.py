@@ -18,12 +18,12 @@ from jax.experimental import pallas as pl
 from pallas_kernels import decode
 from pallas_kernels.common import (
     MASK_VALUE,
+    MIN_DOT,
     check_power_of_two,
     layer_index,
-    triton_compiler_params,
 )
 from pallas_kernels.dense_attention.blocks import BlockSizes
-from pallas_kernels.sparse_attention.gpu import MIN_DOT, derotate
+from pallas_kernels.gpu_split_k import split_k_decode
 
 # Triton keeps tiles in registers: 32 entries of hd = 512 per tile; 8 splits keep enough
 # programs in flight for a few slots at long context.
@@ -88,30 +88,12 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
     splits = bs.num_splits
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c128_layer)])
 
-    def whole(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
     scalars = (layers, slot_ids.astype(jnp.int32), q_pos.astype(jnp.int32),
                kv_end.astype(jnp.int32), page_rows.astype(jnp.int32))
     kernel = functools.partial(_kernel, block=block, num_splits=splits, entries_per_page=epp,
                                max_pages=max_pages, ratio=ratio, window=window_len,
                                window_block=min(block, window_len), scale=dim**-0.5)
-    acc, m, denom = pl.pallas_call(
-        kernel,
-        grid=(batch, padded_heads // bh, splits),
-        in_specs=[*(whole(x) for x in scalars),
-                  pl.BlockSpec((None, bh, dim), lambda b, h, s: (b, h, 0)),
-                  whole(window), whole(c128)],
-        out_specs=[pl.BlockSpec((None, None, bh, dim), lambda b, h, s: (b, s, h, 0)),
-                   pl.BlockSpec((None, None, bh, 1), lambda b, h, s: (b, s, h, 0)),
-                   pl.BlockSpec((None, None, bh, 1), lambda b, h, s: (b, s, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, splits, padded_heads, dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, splits, padded_heads, 1), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, splits, padded_heads, 1), jnp.float32)],
-        compiler_params=triton_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="v4kv_hca_dense_decode_attention_gpu",
-    )(*scalars, q, window, c128)
-    out = decode.combine_partials(acc[:, :, :heads], m[:, :, :heads, 0],
-                                  denom[:, :, :heads, 0], sink)
-    return derotate(out, q_pos, lane_freq)
+    return split_k_decode(kernel, scalars, q, window, c128, sink, q_pos, lane_freq,
+                          heads=heads, heads_per_block=bh, num_splits=splits,
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                          name="v4kv_hca_dense_decode_attention_gpu")

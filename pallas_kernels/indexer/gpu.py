@@ -18,13 +18,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import (
     HIGHEST,
     MASK_VALUE,
+    MIN_DOT,
     check_power_of_two,
     layer_index,
     next_power_of_two,
     triton_compiler_params,
 )
 from pallas_kernels.indexer.blocks import BlockSizes
-from pallas_kernels.sparse_attention.gpu import MIN_DOT
 
 # One program scores 128 keys: a [nI, 128] score tile stays in registers.
 DEFAULT_BLOCK_SIZES = BlockSizes(entries_per_block=128)

@@ -21,14 +21,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels import decode
 from pallas_kernels.common import (
     MASK_VALUE,
+    MIN_DOT,
     check_power_of_two,
     layer_index,
-    rotate_lanes,
-    triton_compiler_params,
 )
+from pallas_kernels.gpu_split_k import split_k_decode
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
-MIN_DOT = 16  # smallest matmul dimension Triton accepts
 # Triton keeps tiles in registers: 32 rows of hd = 512 per tile; 4 splits of the k picks.
 DEFAULT_BLOCK_SIZES = BlockSizes(picks_per_block=32, heads_per_block=16, num_splits=4)
 
@@ -72,17 +71,6 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
     l_ref[...] = denom
 
 
-def swap_pairs(x: jax.Array) -> jax.Array:
-    """x with lanes 2i and 2i + 1 exchanged (XLA, outside kernels)."""
-    return x.reshape(*x.shape[:-1], -1, 2)[..., ::-1].reshape(x.shape)
-
-
-def derotate(out: jax.Array, q_pos: jax.Array, lane_freq: jax.Array) -> jax.Array:
-    """De-rotates f32[B, H, d] by -q_pos (XLA epilogue of the GPU kernels)."""
-    angle = q_pos.astype(jnp.float32)[:, None, None] * lane_freq[None]
-    return rotate_lanes(out, swap_pairs(out), angle, inverse=True)
-
-
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "num_warps",
                                              "num_stages"))
 def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
@@ -106,30 +94,12 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     splits = bs.num_splits
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c4_layer)])
 
-    def whole(x):
-        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-
     scalars = (layers, slot_ids.astype(jnp.int32), q_pos.astype(jnp.int32),
                kv_end.astype(jnp.int32), blocks, page_rows.astype(jnp.int32), picks)
     kernel = functools.partial(_kernel, block=block, num_splits=splits, entries_per_page=epp,
                                window=window_len,
                                window_block=min(block, window_len), scale=dim**-0.5)
-    acc, m, denom = pl.pallas_call(
-        kernel,
-        grid=(batch, padded_heads // bh, splits),
-        in_specs=[*(whole(x) for x in scalars),
-                  pl.BlockSpec((None, bh, dim), lambda b, h, s: (b, h, 0)),
-                  whole(window), whole(c4)],
-        out_specs=[pl.BlockSpec((None, None, bh, dim), lambda b, h, s: (b, s, h, 0)),
-                   pl.BlockSpec((None, None, bh, 1), lambda b, h, s: (b, s, h, 0)),
-                   pl.BlockSpec((None, None, bh, 1), lambda b, h, s: (b, s, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, splits, padded_heads, dim), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, splits, padded_heads, 1), jnp.float32),
-                   jax.ShapeDtypeStruct((batch, splits, padded_heads, 1), jnp.float32)],
-        compiler_params=triton_compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="v4kv_csa_sparse_decode_attention_gpu",
-    )(*scalars, q, window, c4)
-    out = decode.combine_partials(acc[:, :, :heads], m[:, :, :heads, 0],
-                                  denom[:, :, :heads, 0], sink)
-    return derotate(out, q_pos, lane_freq)
+    return split_k_decode(kernel, scalars, q, window, c4, sink, q_pos, lane_freq, heads=heads,
+                          heads_per_block=bh, num_splits=splits, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret,
+                          name="v4kv_csa_sparse_decode_attention_gpu")
