@@ -1,4 +1,5 @@
-"""Double-buffered HBM -> VMEM copy pipelines shared by the TPU kernels.
+"""Pieces shared by the TPU kernels: double-buffered HBM -> VMEM copy pipelines, and the
+block specs and epilogue of the two decode attention kernels.
 
 A kernel reads its operand in blocks: block j is a batch of async copies (whole pages, or
 single rows) into buffer slot j % 2. `double_buffered` starts block j + 1 before it waits
@@ -11,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.common import rotate_lanes, swap_pairs_tpu
 
 
 def block_copies(copy, valid, count: int, on_skip=None):
@@ -94,3 +97,28 @@ def double_buffered(num_blocks, start, wait, body, init):
 
     return jax.lax.fori_loop(0, num_blocks, step, init)
 
+
+
+def per_row(shape):
+    """BlockSpec of row b of a [B, *shape] array for the program of slot b."""
+    return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
+
+
+def query_window_specs(heads: int, dim: int, window_len: int) -> list:
+    """In-specs of (q [B, H, hd], sink [H, 1], lane frequencies [1, hd], window rings
+    [n_layers, max_slots, W, hd]) for a decode attention kernel whose first prefetched
+    scalars are (layers, q_pos, kv_end, slot_ids): the ring block is (layers[0], slot)."""
+    return [
+        per_row((heads, dim)),
+        pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
+        pl.BlockSpec((1, dim), lambda b, *_: (0, 0)),
+        pl.BlockSpec((None, None, window_len, dim),
+                     lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
+    ]
+
+
+def write_output(o_ref, denom, acc, q_pos, freq_ref) -> None:
+    """Normalises the softmax and writes it de-rotated by -q_pos."""
+    out = acc / denom
+    angle = q_pos.astype(jnp.float32) * freq_ref[...]
+    o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)

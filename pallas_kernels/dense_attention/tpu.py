@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import decode, tpu_pipeline
-from pallas_kernels.common import layer_index, rotate_lanes, swap_pairs_tpu, tpu_interpret
+from pallas_kernels.common import layer_index, tpu_interpret
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
 
@@ -54,9 +54,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, q_ref, sink_
         return decode.fold(state, q, keys, lanes, scale)
 
     _, denom, acc = tpu_pipeline.double_buffered(num_blocks, start, wait, body, state)
-    out = acc / denom
-    angle = q_pos.astype(jnp.float32) * freq_ref[...]
-    o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)
+    tpu_pipeline.write_output(o_ref, denom, acc, q_pos, freq_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret"))
@@ -84,9 +82,6 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
     ppb = min(bs.pages_per_block(epp), max_pages)
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c128_layer)])
 
-    def per_row(shape):
-        return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
-
     kernel = functools.partial(
         _kernel, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages, ratio=ratio,
         window=window_len, scale=dim**-0.5)
@@ -96,14 +91,10 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
             num_scalar_prefetch=5,
             grid=(batch,),
             in_specs=[
-                per_row((heads, dim)),
-                pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
-                pl.BlockSpec((1, dim), lambda b, *_: (0, 0)),
-                pl.BlockSpec((None, None, window_len, dim),
-                             lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
+                *tpu_pipeline.query_window_specs(heads, dim, window_len),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=per_row((heads, dim)),
+            out_specs=tpu_pipeline.per_row((heads, dim)),
             scratch_shapes=[pltpu.VMEM((2, ppb * epp, dim), c128.dtype),
                             pltpu.SemaphoreType.DMA((2,))],
         ),

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import decode, tpu_pipeline
-from pallas_kernels.common import layer_index, rotate_lanes, swap_pairs_tpu, tpu_interpret
+from pallas_kernels.common import layer_index, tpu_interpret
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 
@@ -58,9 +58,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
         return decode.fold(state, q, buf[slot].astype(jnp.float32), visible, scale)
 
     _, denom, acc = tpu_pipeline.double_buffered(blocks_ref[b], start, wait, body, state)
-    out = acc / denom
-    angle = q_pos.astype(jnp.float32) * freq_ref[...]
-    o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)
+    tpu_pipeline.write_output(o_ref, denom, acc, q_pos, freq_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -92,9 +90,6 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     blocks = (last + block - 1) // block
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c4_layer)])
 
-    def per_row(shape):
-        return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
-
     kernel = functools.partial(
         _kernel, block=block, padded_topk=padded, entries_per_page=epp, max_pages=max_pages,
         window=window_len, scale=dim**-0.5)
@@ -104,15 +99,11 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
             num_scalar_prefetch=7,
             grid=(batch,),
             in_specs=[
-                per_row((heads, dim)),
-                pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
-                pl.BlockSpec((1, dim), lambda b, *_: (0, 0)),
-                pl.BlockSpec((None, None, window_len, dim),
-                             lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
-                per_row((padded // block, block)),
+                *tpu_pipeline.query_window_specs(heads, dim, window_len),
+                tpu_pipeline.per_row((padded // block, block)),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=per_row((heads, dim)),
+            out_specs=tpu_pipeline.per_row((heads, dim)),
             scratch_shapes=[pltpu.VMEM((2, block, dim), c4.dtype),
                             pltpu.SemaphoreType.DMA((2,))],
         ),
