@@ -16,7 +16,6 @@ by a jitted sum over a 1 GiB array.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from measure import read_bandwidth, write_result
 
 from v4kv_jax import config as cfg
 from v4kv_jax import step, synthetic
@@ -52,22 +52,6 @@ def timed(fn, *args, repeats: int):
         out = jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return first, statistics.median(times), out
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a jitted sum over a 1 GiB float32 array (best of 5)."""
-    x = jnp.ones((1 << 28,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    jax.block_until_ready(f(x))
-    best = min(_once(f, x) for _ in range(5))
-    del x
-    return (1 << 30) / best
-
-
-def _once(f, x) -> float:
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(x))
-    return time.perf_counter() - t0
 
 
 def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
@@ -238,10 +222,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(HERE, "results", "decode.json"))
     args = p.parse_args(argv)
     result = run(args)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from measure import write_result
 
 from v4kv_jax import config as cfg
 from v4kv_jax import ops, synthetic
@@ -261,10 +261,7 @@ def main(argv=None):
         requested_implementation=args.implementation, interpret=args.interpret,
         rows=[dict(dataclasses.asdict(r), bandwidth_bytes_per_s=r.bandwidth,
                    fraction_of_copy=r.bandwidth / copy_bw) for r in rows])
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":

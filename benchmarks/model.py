@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from measure import read_bandwidth, write_result
 
 import v4kv_jax as v4
 from v4kv_jax import step
@@ -58,20 +59,6 @@ def config_s() -> v4.AttentionConfig:
         hidden_size=512, num_heads=8, head_dim=128, rope_dim=32, q_lora_rank=256, o_groups=4,
         o_lora_rank=128, window=128, compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128),
         csa_ratio=4, hca_ratio=128, index_heads=8, index_head_dim=64, index_topk=128)
-
-
-def read_bandwidth() -> float:
-    """Bytes/s of a jitted sum over a 1 GiB float32 array (best of 5)."""
-    x = jnp.ones((1 << 28,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    jax.block_until_ready(f(x))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        best = min(best, time.perf_counter() - t0)
-    del x
-    return (1 << 30) / best
 
 
 def step_bytes(model: Decoder, batch: int, context: int) -> tuple[int, int]:
@@ -422,10 +409,7 @@ def main(argv=None):
     if args.torch_worker:
         return torch_worker(args)
     result = run(args)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(result, args.out)
 
 
 if __name__ == "__main__":
