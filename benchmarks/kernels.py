@@ -32,7 +32,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from measure import write_result
+from measure import copy_bandwidth, write_result
 
 from v4kv_jax import config as cfg
 from v4kv_jax import ops, synthetic
@@ -63,19 +63,6 @@ def timed(fn, args, repeats: int):
         out = jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return first, statistics.median(times)
-
-
-def copy_bandwidth(gib: float = 1.0) -> float:
-    """Bytes/s of a jitted x + 1 over `gib` GiB of fp32 (read + write), best of 5."""
-    x = jnp.zeros((int(gib * 2**28),), jnp.float32)
-    f = jax.jit(lambda v: v + 1)
-    jax.block_until_ready(f(x))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.nbytes / best
 
 
 @dataclasses.dataclass
