@@ -84,3 +84,14 @@ def chunk_plan(lengths, sizes):
 @pytest.fixture(scope="session")
 def model():
     return MODEL
+
+
+@pytest.fixture(autouse=True)
+def _fresh_tpu_interpreter(request):
+    """A kernel that failed mid-run leaves TPU interpreter state behind: cleared after each
+    kernel test."""
+    yield
+    if "kernels" in request.node.path.parts:
+        from pallas_kernels.common import reset_tpu_interpreter
+
+        reset_tpu_interpreter()
