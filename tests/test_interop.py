@@ -86,7 +86,8 @@ def test_errors_name_the_tensor():
                        match=r"layers\.2\.attn\.wkv\.weight has shape \(32, 63\); the config "
                              r"expects \(32, 64\)"):
         interop.attention_params(wrong, MODEL, LayerKind.HCA, "official", "layers.2.attn.")
-    with pytest.raises(ValueError, match="layout='hf' must be one of"):
+    with pytest.raises(ValueError, match=r"layout: expected one of \('transformers', "
+                                         r"'official'\); got hf"):
         interop.attention_params(good, MODEL, LayerKind.HCA, "hf")
 
 

@@ -7,10 +7,13 @@ import json
 import re
 import struct
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import v4kv_jax as v4
+from v4kv_jax import interop
+from v4kv_jax.config import LayerKind
 from v4kv_jax.interop import names
 from v4kv_jax.interop.safetensors_io import SafetensorsFile, shard_files
 
@@ -145,3 +148,242 @@ def test_shard_files_errors(tmp_path):
         shard_files(tmp_path)
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         shard_files(tmp_path / "nope.safetensors")
+
+
+# --- fp8 weights and their block scales ------------------------------------------------------
+
+ST_CODES = {"float32": "F32", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
+            "float8_e8m0fnu": "F8_E8M0"}
+
+
+def write_tensors(path, tensors):
+    """A .safetensors file of numpy / ml_dtypes arrays (no safetensors package needed)."""
+    header, chunks, offset = {}, [], 0
+    for name, value in tensors.items():
+        raw = np.ascontiguousarray(value).tobytes()
+        header[name] = {"dtype": ST_CODES[value.dtype.name], "shape": list(value.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    return write_raw(path, header, b"".join(chunks))
+
+
+def official_layer(layer=1, kind=LayerKind.CSA):
+    return interop.checkpoint_tensors(random_params(MODEL, kind, seed=layer), kind,
+                                      "official", f"layers.{layer}.attn.")
+
+
+def test_fp8_weight_without_its_scale_is_an_error():
+    tensors = official_layer()
+    name = "layers.1.attn.wq_a.weight"
+    tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
+    with pytest.raises(interop.CheckpointError, match=re.escape(
+            f"{name}: expected its block scale layers.1.attn.wq_a.scale or "
+            "layers.1.attn.wq_a.weight_scale_inv next to a float8_e4m3fn weight (without it "
+            "the weight would load unscaled); got no scale tensor")):
+        interop.attention_params(tensors, MODEL, LayerKind.CSA, "official", "layers.1.attn.")
+    # With its scale the same tensors load.
+    tensors["layers.1.attn.wq_a.scale"] = np.ones((1, 1), ml_dtypes.float8_e8m0fnu)
+    got = interop.attention_params(tensors, MODEL, LayerKind.CSA, "official", "layers.1.attn.")
+    assert got["q_a_proj"].dtype == np.float32
+
+
+def test_fp8_tensor_that_carries_no_scale_is_an_error():
+    tensors = official_layer()
+    tensors["layers.1.attn.attn_sink"] = tensors["layers.1.attn.attn_sink"].astype(
+        ml_dtypes.float8_e5m2)
+    with pytest.raises(interop.CheckpointError, match=r"layers\.1\.attn\.attn_sink: expected a "
+                       r"bf16 / fp16 / fp32 tensor .*; got dtype float8_e5m2"):
+        interop.attention_params(tensors, MODEL, LayerKind.CSA, "official", "layers.1.attn.")
+
+
+def test_fp8_weight_without_scale_in_a_checkpoint_file(tmp_path):
+    per_layer = {i: random_params(MODEL, k, seed=i) for i, k in enumerate(MODEL.layer_kinds)}
+    tensors = {}
+    for layer, params in per_layer.items():
+        tensors.update(interop.checkpoint_tensors(params, MODEL.layer_kinds[layer], "official",
+                                                  f"layers.{layer}.attn."))
+    tensors["layers.2.attn.compressor.wkv.weight"] = tensors[
+        "layers.2.attn.compressor.wkv.weight"].astype(ml_dtypes.float8_e4m3fn)
+    write_tensors(tmp_path / "model.safetensors", tensors)
+    with pytest.raises(interop.CheckpointError, match=re.escape(
+            "layer 2 (HCA, shards ['model.safetensors']): layers.2.attn.compressor.wkv.weight: "
+            "expected its block scale layers.2.attn.compressor.wkv.scale")):
+        interop.read_attention(tmp_path, MODEL)
+    assert set(interop.read_attention(tmp_path, MODEL, layers=[0, 1])) == {0, 1}
+
+
+def test_dequantize_errors():
+    w = np.ones((4, 4), ml_dtypes.float8_e4m3fn)
+    nan = np.full((1, 1), np.nan, np.float32)
+    with pytest.raises(interop.CheckpointError, match=r"w \(scale\): expected finite block "
+                                                      r"scales; got nan at block \(0, 0\)"):
+        interop.dequantize(w, nan, "w")
+    with pytest.raises(interop.CheckpointError, match=r"w \(scale\): expected a floating-point "
+                                                      "array; got dtype int32"):
+        interop.dequantize(w, np.ones((1, 1), np.int32), "w")
+    with pytest.raises(ValueError, match=r"block: expected two positive ints .*; got \(0, 128\)"):
+        interop.dequantize(w, np.ones((1, 1), np.float32), "w", block=(0, 128))
+    with pytest.raises(TypeError, match="name: expected the weight's name"):
+        interop.dequantize(w, np.ones((1, 1), np.float32), None)
+
+
+# --- converters and names --------------------------------------------------------------------
+
+
+def test_attention_params_argument_errors():
+    tensors = official_layer()
+    args = (MODEL, LayerKind.CSA, "official", "layers.1.attn.")
+    with pytest.raises(TypeError, match="tensors: expected a mapping of name -> array; got list"):
+        interop.attention_params(list(tensors.items()), *args)
+    with pytest.raises(TypeError, match="config: expected an AttentionConfig; got dict"):
+        interop.attention_params(tensors, {}, *args[1:])
+    with pytest.raises(ValueError, match=r"kind: expected a LayerKind \(SWA=0, CSA=1, HCA=2\); "
+                                         "got 5"):
+        interop.attention_params(tensors, MODEL, 5, "official", "layers.1.attn.")
+    with pytest.raises(ValueError, match="kind: expected a LayerKind .*; got 'CSA'"):
+        interop.attention_params(tensors, MODEL, "CSA", "official", "layers.1.attn.")
+    with pytest.raises(TypeError, match="prefix: expected a str; got 1"):
+        interop.attention_params(tensors, MODEL, LayerKind.CSA, "official", 1)
+    bad = dict(tensors, **{"layers.1.attn.wkv.weight": np.zeros((32, 64), np.int32)})
+    with pytest.raises(interop.CheckpointError, match=r"layers\.1\.attn\.wkv\.weight: expected "
+                                                      "a floating-point array; got dtype int32"):
+        interop.attention_params(bad, *args)
+    bad = dict(tensors, **{"layers.1.attn.wkv.weight": "weights"})
+    with pytest.raises(interop.CheckpointError, match=r"wkv\.weight: expected a floating-point "
+                                                      r"array; got dtype <U7"):
+        interop.attention_params(bad, *args)
+
+
+def test_checkpoint_tensors_errors():
+    params = random_params(MODEL, LayerKind.HCA)
+    with pytest.raises(ValueError, match=r"layout: expected one of \('transformers', "
+                                         r"'official'\); got hf"):
+        interop.checkpoint_tensors(params, LayerKind.HCA, "hf")
+    with pytest.raises(interop.CheckpointError, match=r"unknown V4Attention path\(s\) for a HCA "
+                                                      r"layer: \['indexer\.q_b_proj'\]"):
+        interop.checkpoint_tensors(dict(params, **{"indexer.q_b_proj": np.zeros(1)}),
+                                   LayerKind.HCA, "official")
+    wrong = dict(params, kv_proj=np.zeros((32, 65), np.float32))
+    assert interop.checkpoint_tensors(wrong, LayerKind.HCA, "official")  # no config: no shapes
+    with pytest.raises(interop.CheckpointError, match=r"kv_proj has shape \(32, 65\); expected "
+                                                      r"\(32, 64\)"):
+        interop.checkpoint_tensors(wrong, LayerKind.HCA, "official", config=MODEL)
+    with pytest.raises(interop.CheckpointError, match="sinks: expected a floating-point array; "
+                                                      "got dtype bool"):
+        interop.checkpoint_tensors(dict(params, sinks=np.zeros(4, bool)), LayerKind.HCA,
+                                   "official")
+
+
+def test_module_level_converters_errors():
+    from flax import nnx
+
+    from v4kv_jax.nn import V4Attention
+
+    with pytest.raises(TypeError, match=r"module: expected a v4kv_jax\.nn\.V4Attention .*; "
+                                        "got dict"):
+        interop.attention_state({})
+    with pytest.raises(TypeError, match="module: expected a v4kv_jax.nn.V4Attention"):
+        interop.load_attention(object(), {})
+    module = V4Attention(MODEL, LayerKind.SWA, rngs=nnx.Rngs(0))
+    params = random_params(MODEL, LayerKind.SWA)
+    with pytest.raises(TypeError, match="params: expected a mapping of name -> array; got list"):
+        interop.load_attention(module, list(params))
+    with pytest.raises(interop.CheckpointError, match=r"q_a_norm has shape \(31,\); expected "
+                                                      r"\(32,\)"):
+        interop.load_attention(module, dict(params, q_a_norm=np.ones(31, np.float32)))
+    with pytest.raises(interop.CheckpointError, match="q_a_norm: expected a floating-point "
+                                                      "array; got dtype int64"):
+        interop.load_attention(module, dict(params, q_a_norm=np.ones(32, np.int64)))
+
+
+def test_names_errors():
+    with pytest.raises(TypeError, match="config: expected an AttentionConfig; got NoneType"):
+        names.expected_shapes(None, LayerKind.CSA)
+    with pytest.raises(ValueError, match=r"kind: expected a LayerKind .*; got 1\.0"):
+        names.expected_shapes(MODEL, 1.0)
+    with pytest.raises(ValueError, match="kind: expected a LayerKind .*; got 7"):
+        names.names_for(7)
+    assert names.names_for(1) == names.names_for(LayerKind.CSA)
+    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+        names.TABLE[0].name("hf")
+    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+        interop.layer_prefix("hf", 0)
+    with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, inf\]; got -1"):
+        interop.layer_prefix("official", -1)
+    with pytest.raises(TypeError, match=r"layer: expected an integer; got '3' \(str\)"):
+        interop.layer_prefix("official", "3")
+
+
+# --- whole checkpoints -----------------------------------------------------------------------
+
+
+def write_checkpoint(tmp_path, layout="official"):
+    per_layer = {i: random_params(MODEL, k, seed=i) for i, k in enumerate(MODEL.layer_kinds)}
+    path = tmp_path / "model.safetensors"
+    tensors = {}
+    for layer, params in per_layer.items():
+        tensors.update(interop.checkpoint_tensors(params, MODEL.layer_kinds[layer], layout,
+                                                  names.layer_prefix(layout, layer)))
+    write_tensors(path, tensors)
+    return path, per_layer
+
+
+def test_read_attention_argument_errors(tmp_path):
+    path, _ = write_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"layers: expected layer indices in \[0, 5\) \(the "
+                                         r"config's 5 layers\); got \[5, 9\]"):
+        interop.read_attention(path, MODEL, layers=[0, 5, 9])
+    with pytest.raises(ValueError, match=r"layers: expected at least one layer index .*; "
+                                         r"got \[\]"):
+        interop.read_attention(path, MODEL, layers=[])
+    with pytest.raises(TypeError, match=r"layers: expected an integer; got '1' \(str\)"):
+        interop.read_attention(path, MODEL, layers=["1"])
+    with pytest.raises(TypeError, match="layers: expected an iterable of layer indices; got 3"):
+        interop.read_attention(path, MODEL, layers=3)
+    with pytest.raises(TypeError, match="config: expected an AttentionConfig; got dict"):
+        interop.read_attention(path, {"hidden_size": 64})
+    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+        interop.read_attention(path, MODEL, layout="hf")
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        interop.read_attention(tmp_path / "nope", MODEL)
+
+
+def test_detect_layout_arguments(tmp_path):
+    write_checkpoint(tmp_path, "transformers")
+    assert interop.detect_layout(tmp_path) == "transformers"
+    assert interop.detect_layout(str(tmp_path / "model.safetensors")) == "transformers"
+    with pytest.raises(TypeError, match="files: expected .safetensors paths .*; got int"):
+        interop.detect_layout(5)
+    with pytest.raises(ValueError, match=r"location: expected .*; got \[\]"):
+        interop.detect_layout([])
+    with pytest.raises(TypeError, match="file: expected a SafetensorsFile; got str"):
+        interop.checkpoint.attention_names("model.safetensors", "official")
+
+
+def test_load_into_and_write_attention_errors(tmp_path):
+    from flax import nnx
+
+    from v4kv_jax.nn import Decoder, ModelConfig
+
+    params = {i: random_params(MODEL, k, seed=i) for i, k in enumerate(MODEL.layer_kinds)}
+    model = Decoder(ModelConfig(MODEL, vocab_size=8), rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"model: expected a v4kv_jax\.nn\.Decoder; got dict"):
+        interop.load_into({}, params)
+    with pytest.raises(TypeError, match="per_layer: expected a mapping .*; got list"):
+        interop.load_into(model, [params[0]])
+    with pytest.raises(ValueError, match=r"per_layer key: expected an integer in \[0, 4\]; "
+                                         "got 5"):
+        interop.load_into(model, {5: params[0]})
+    with pytest.raises(TypeError, match=r"per_layer\[0\]: expected a mapping .*; got list"):
+        interop.load_into(model, {0: [1]})
+    out = tmp_path / "out.safetensors"
+    bad = {**params, 2: {**params[2], "compressor.ape": np.zeros((3, 32), np.float32)}}
+    with pytest.raises(interop.CheckpointError, match=r"per_layer\[2\]: compressor\.ape has "
+                                                      r"shape \(3, 32\); expected \(16, 32\)"):
+        interop.write_attention(out, bad, MODEL, "official")
+    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+        interop.write_attention(out, params, MODEL, "hf")
+    with pytest.raises(TypeError, match="path: expected a str or os.PathLike; got 1"):
+        interop.write_attention(1, params, MODEL, "official")
+    assert not out.exists()

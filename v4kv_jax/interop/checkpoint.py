@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig
 from v4kv_jax.interop import convert, names
 from v4kv_jax.interop.safetensors_io import SafetensorsFile, shard_files
@@ -30,7 +31,9 @@ _PATTERNS = {
 
 def attention_names(file: SafetensorsFile, layout: str) -> dict[str, int]:
     """Tensor name -> layer index, for the attention tensors of one shard."""
-    pattern = _PATTERNS[layout]
+    if not isinstance(file, SafetensorsFile):
+        checks.fail("file", "a SafetensorsFile", type(file).__name__, TypeError)
+    pattern = _PATTERNS[names.check_layout(layout)]
     found = {}
     for name in file.names():
         match = pattern.match(name)
@@ -39,8 +42,19 @@ def attention_names(file: SafetensorsFile, layout: str) -> dict[str, int]:
     return found
 
 
-def detect_layout(files: Iterable[str]) -> str:
-    """"official" or "transformers", from the names in the shards' headers."""
+def detect_layout(files: Iterable[str] | str | os.PathLike) -> str:
+    """"official" or "transformers", from the names in the shards' headers.
+
+    Args:
+      files: the shards: a list of .safetensors files, one file, or a directory of them.
+    """
+    if isinstance(files, (str, os.PathLike)):
+        files = shard_files(files)
+    else:
+        if not isinstance(files, Iterable):
+            checks.fail("files", ".safetensors paths (a list of files, one file or a "
+                        "directory)", type(files).__name__, TypeError)
+        files = shard_files(list(files))
     seen = set()
     for path in files:
         f = SafetensorsFile(path)
@@ -70,15 +84,13 @@ def read_attention(location, config: AttentionConfig, layout: str | None = None,
       CheckpointError: a layer's tensor is unknown, missing or of the wrong shape (the
         message names the tensor and its shard), or a requested layer has no tensors.
     """
+    names.check_config(config)
+    if layout is not None:
+        names.check_layout(layout)
+    wanted = set(range(config.num_layers) if layers is None else _layer_list(layers, config))
     files = shard_files(location)
     if layout is None:
         layout = detect_layout(files)
-    if layout not in names.LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {names.LAYOUTS}")
-    wanted = set(range(config.num_layers) if layers is None else layers)
-    bad = sorted(i for i in wanted if not 0 <= i < config.num_layers)
-    if bad:
-        raise ValueError(f"layers {bad} are outside the config's {config.num_layers} layers")
     raw: dict[int, dict[str, np.ndarray]] = {i: {} for i in wanted}
     where: dict[str, str] = {}
     for path in files:
@@ -105,9 +117,41 @@ def read_attention(location, config: AttentionConfig, layout: str | None = None,
     return out
 
 
+def _layer_list(layers, config: AttentionConfig) -> list[int]:
+    """`layers` as a non-empty list of layer indices of `config`; raises naming it otherwise."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        checks.fail("layers", "an iterable of layer indices", layers, TypeError)
+    layers = list(layers)
+    if not layers:
+        checks.fail("layers", "at least one layer index (None reads every layer)", layers)
+    for i in layers:
+        names.index("layers", i, lo=None)
+    bad = sorted({int(i) for i in layers if not 0 <= i < config.num_layers})
+    if bad:
+        checks.fail("layers", f"layer indices in [0, {config.num_layers}) (the config's "
+                    f"{config.num_layers} layers)", bad)
+    return [int(i) for i in layers]
+
+
+def _per_layer(per_layer, num_layers: int) -> dict:
+    """Checks {layer index: params mapping} against a model of `num_layers` layers."""
+    if not isinstance(per_layer, Mapping):
+        checks.fail("per_layer", "a mapping {layer index: {V4Attention path: array}}",
+                    type(per_layer).__name__, TypeError)
+    for layer, params in per_layer.items():
+        names.index("per_layer key", layer, hi=num_layers - 1)
+        if not isinstance(params, Mapping):
+            checks.fail(f"per_layer[{layer}]", "a mapping {V4Attention path: array}",
+                        type(params).__name__, TypeError)
+    return per_layer
+
+
 def load_into(model, per_layer: dict[int, dict[str, np.ndarray]]) -> None:
     """Writes `read_attention`'s output into a `v4kv_jax.nn.Decoder`."""
-    for layer, params in per_layer.items():
+    config = getattr(getattr(model, "config", None), "attention", None)
+    if not isinstance(config, AttentionConfig) or not hasattr(model, "load_attention"):
+        checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
+    for layer, params in _per_layer(per_layer, config.num_layers).items():
         model.load_attention(layer, params)
 
 
@@ -117,8 +161,16 @@ def write_attention(path: str | os.PathLike, per_layer: dict[int, dict[str, np.n
     `safetensors` package)."""
     from safetensors.numpy import save_file
 
+    if not isinstance(path, (str, os.PathLike)):
+        checks.fail("path", "a str or os.PathLike", path, TypeError)
+    names.check_config(config)
+    names.check_layout(layout)
     tensors = {}
-    for layer, params in per_layer.items():
-        tensors.update(convert.checkpoint_tensors(
-            params, config.layer_kinds[layer], layout, names.layer_prefix(layout, layer)))
+    for layer, params in _per_layer(per_layer, config.num_layers).items():
+        try:
+            tensors.update(convert.checkpoint_tensors(
+                params, config.layer_kinds[layer], layout, names.layer_prefix(layout, layer),
+                config=config))
+        except convert.CheckpointError as err:
+            raise convert.CheckpointError(f"per_layer[{layer}]: {err}") from None
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.fspath(path))

@@ -11,7 +11,8 @@ e.g. `wq_a.weight`, `indexer.weights_proj.weight`, `attn_sink`); see `names.TABL
 
 Block-quantised weights are dequantised: a weight `X.weight` stored in fp8 with a companion
 `X.scale` (official) or `X.weight_scale_inv` (transformers' fp8 format) holding one scale per
-128 x 128 block becomes `weight * scale` in fp32. Every other tensor is cast to fp32.
+128 x 128 block becomes `weight * scale` in fp32. An fp8 tensor without its scale is an error
+(it would load unscaled). Every other tensor is cast to fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, LayerKind
 from v4kv_jax.interop import names
 
@@ -30,6 +32,33 @@ FP8_BLOCK = (128, 128)
 
 class CheckpointError(ValueError):
     """A checkpoint tensor is unknown, missing, or of the wrong shape; the message names it."""
+
+
+def _is_float(dtype) -> bool:
+    """numpy floats and the ml_dtypes ones (bfloat16, the float8 formats)."""
+    return np.dtype(dtype).name.startswith(("float", "bfloat"))
+
+
+def _is_fp8(dtype) -> bool:
+    return np.dtype(dtype).name.startswith("float8")
+
+
+def _float_array(name: str, value, error: type[Exception] = TypeError) -> np.ndarray:
+    """`value` as a numpy array of a floating dtype; raises naming it otherwise."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        checks.fail(name, "an array (numpy, jax, or a CPU torch tensor via .numpy())",
+                    f"{type(value).__name__} ({err})", error)
+    if not _is_float(array.dtype):
+        checks.fail(name, "a floating-point array", f"dtype {array.dtype}", error)
+    return array
+
+
+def _mapping(name: str, value) -> Mapping:
+    if not isinstance(value, Mapping):
+        checks.fail(name, "a mapping of name -> array", type(value).__name__, TypeError)
+    return value
 
 
 def scale_name(weight_name: str, tensors: Mapping[str, object]) -> str | None:
@@ -46,6 +75,13 @@ def scale_name(weight_name: str, tensors: Mapping[str, object]) -> str | None:
 def dequantize(weight: np.ndarray, scale: np.ndarray, name: str,
                block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
     """weight [o, i] * scale[ceil(o / b0), ceil(i / b1)] broadcast over its blocks, in fp32."""
+    if not isinstance(name, str):
+        checks.fail("name", "the weight's name (str)", name, TypeError)
+    weight = _float_array(f"{name} (weight)", weight, CheckpointError)
+    scale = _float_array(f"{name} (scale)", scale, CheckpointError)
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        checks.fail("block", "two positive ints (rows, columns of a scale block)", block)
     if weight.ndim != 2:
         raise CheckpointError(f"{name}: a block-scaled weight must be 2-D; got shape "
                               f"{weight.shape}")
@@ -54,7 +90,12 @@ def dequantize(weight: np.ndarray, scale: np.ndarray, name: str,
     if tuple(scale.shape) != want:
         raise CheckpointError(f"{name}: scale has shape {tuple(scale.shape)}; a {weight.shape} "
                               f"weight in {block[0]}x{block[1]} blocks needs {want}")
-    full = np.repeat(np.repeat(scale.astype(np.float32), block[0], 0), block[1], 1)[:o, :i]
+    scale = scale.astype(np.float32)
+    if not np.isfinite(scale).all():
+        bad = tuple(int(j) for j in np.argwhere(~np.isfinite(scale))[0])
+        checks.fail(f"{name} (scale)", "finite block scales",
+                    f"{scale[bad]} at block {bad}", CheckpointError)
+    full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:o, :i]
     return weight.astype(np.float32) * full
 
 
@@ -79,9 +120,12 @@ def attention_params(tensors: Mapping[str, np.ndarray], config: AttentionConfig,
       CheckpointError: a name under `prefix` that the layer does not have, a missing name, or
         a shape that does not match the config; the message names the tensor.
     """
-    if layout not in names.LAYOUTS:
-        raise ValueError(f"layout={layout!r} must be one of {names.LAYOUTS}")
-    kind = LayerKind(kind)
+    _mapping("tensors", tensors)
+    names.check_config(config)
+    kind = names.layer_kind(kind)
+    names.check_layout(layout)
+    if not isinstance(prefix, str):
+        checks.fail("prefix", "a str", prefix, TypeError)
     table = names.names_for(kind)
     wanted = {prefix + p.name(layout): p for p in table}
     scales = {s for n in wanted if (s := scale_name(n, tensors)) is not None}
@@ -101,15 +145,28 @@ def attention_params(tensors: Mapping[str, np.ndarray], config: AttentionConfig,
     shapes = names.expected_shapes(config, kind)
     out = {}
     for name, p in wanted.items():
-        value = np.asarray(tensors[name])
+        value = _float_array(name, tensors[name], CheckpointError)
         if tuple(value.shape) != shapes[p.path]:
             raise CheckpointError(f"{name} has shape {tuple(value.shape)}; the config expects "
                                   f"{shapes[p.path]} ({p.path} of a {kind.name} layer)")
         s = scale_name(name, tensors)
         if s is not None:
-            value = dequantize(value, np.asarray(tensors[s]), name)
+            value = dequantize(value, tensors[s], name)
+        elif _is_fp8(value.dtype):
+            _missing_scale(name, value.dtype)
         out[p.path] = value.astype(np.float32)
     return out
+
+
+def _missing_scale(name: str, dtype) -> None:
+    if name.endswith(".weight"):
+        stem = name[: -len(".weight")]
+        companions = " or ".join(stem + suffix for suffix in SCALE_SUFFIXES)
+        checks.fail(name, f"its block scale {companions} next to a {np.dtype(dtype).name} "
+                    "weight (without it the weight would load unscaled)", "no scale tensor",
+                    CheckpointError)
+    checks.fail(name, "a bf16 / fp16 / fp32 tensor (only X.weight tensors carry fp8 block "
+                "scales)", f"dtype {np.dtype(dtype).name}", CheckpointError)
 
 
 def _kinds_of(relative: str, layout: str) -> str:
@@ -120,17 +177,30 @@ def _kinds_of(relative: str, layout: str) -> str:
 
 
 def checkpoint_tensors(params: Mapping[str, np.ndarray], kind: LayerKind, layout: str,
-                       prefix: str = "") -> dict[str, np.ndarray]:
-    """`V4Attention` params -> checkpoint names (the inverse of `attention_params`)."""
-    table = {p.path: p for p in names.names_for(LayerKind(kind))}
+                       prefix: str = "", config: AttentionConfig | None = None
+                       ) -> dict[str, np.ndarray]:
+    """`V4Attention` params -> checkpoint names (the inverse of `attention_params`).
+
+    With `config`, every shape is checked against the one the config implies (without it,
+    only the paths and the dtypes are checked).
+    """
+    _mapping("params", params)
+    kind = names.layer_kind(kind)
+    names.check_layout(layout)
+    if not isinstance(prefix, str):
+        checks.fail("prefix", "a str", prefix, TypeError)
+    table = {p.path: p for p in names.names_for(kind)}
     unknown = sorted(set(params) - set(table))
     if unknown:
-        raise CheckpointError(f"unknown V4Attention path(s) for a {LayerKind(kind).name} layer: "
-                              f"{unknown}")
+        raise CheckpointError(f"unknown V4Attention path(s) for a {kind.name} layer: "
+                              f"{unknown}; expected paths: {sorted(table)}")
     missing = sorted(set(table) - set(params))
     if missing:
-        raise CheckpointError(f"missing V4Attention path(s): {missing}")
-    return {prefix + table[path].name(layout): np.asarray(v) for path, v in params.items()}
+        raise CheckpointError(f"missing V4Attention path(s) for a {kind.name} layer: {missing}")
+    if config is not None:
+        check_layer_params(params, names.expected_shapes(config, kind), kind)
+    return {prefix + table[path].name(layout): _float_array(path, v, CheckpointError)
+            for path, v in params.items()}
 
 
 def param_at(module, path: str):
@@ -146,12 +216,19 @@ def check_layer_params(params: Mapping[str, object], shapes: Mapping[str, tuple[
     """Raises CheckpointError unless `params` has exactly the paths of `shapes`, each with its
     shape."""
     at = f" ({where})" if where else ""
+    _mapping("params", params)
     missing, unknown = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
     if missing or unknown:
         raise CheckpointError(
             f"params for a {LayerKind(kind).name} layer{at} must be exactly {sorted(shapes)}; "
             f"missing {missing}, unknown {unknown}")
     for path, value in params.items():
+        dtype = getattr(value, "dtype", None)
+        if dtype is None or not hasattr(value, "shape"):
+            value = _float_array(f"{path}{at}", value, CheckpointError)
+        elif not _is_float(dtype):
+            checks.fail(f"{path}{at}", "a floating-point array", f"dtype {dtype}",
+                        CheckpointError)
         if tuple(np.shape(value)) != tuple(shapes[path]):
             raise CheckpointError(f"{path}{at} has shape {tuple(np.shape(value))}; expected "
                                   f"{tuple(shapes[path])}")
@@ -160,6 +237,7 @@ def check_layer_params(params: Mapping[str, object], shapes: Mapping[str, tuple[
 def load_attention(module, params: Mapping[str, np.ndarray]) -> None:
     """Writes {path: array} into a `V4Attention` (all of its params, shapes checked). Each
     array is stored in the dtype of the param it replaces."""
+    _check_module(module)
     shapes = {p.path: tuple(param_at(module, p.path)[...].shape)
               for p in names.names_for(module.kind)}
     check_layer_params(params, shapes, module.kind)
@@ -170,5 +248,12 @@ def load_attention(module, params: Mapping[str, np.ndarray]) -> None:
 
 def attention_state(module) -> dict[str, np.ndarray]:
     """{path: numpy array} of every param of a `V4Attention` (stacked leaves stay stacked)."""
+    _check_module(module)
     return {p.path: np.asarray(param_at(module, p.path)[...], np.float32)
             for p in names.names_for(module.kind)}
+
+
+def _check_module(module) -> None:
+    if not isinstance(getattr(module, "kind", None), LayerKind):
+        checks.fail("module", "a v4kv_jax.nn.V4Attention (a module with a LayerKind `kind`)",
+                    type(module).__name__, TypeError)

@@ -27,7 +27,9 @@ with `indexer.*` only in CSA layers. In a whole checkpoint the names carry a lay
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
+from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, LayerKind
 
 TRANSFORMERS = "transformers"
@@ -43,7 +45,7 @@ class ParamName:
     kinds: tuple[LayerKind, ...]
 
     def name(self, layout: str) -> str:
-        return getattr(self, layout)
+        return getattr(self, check_layout(layout))
 
 
 _ALL = (LayerKind.SWA, LayerKind.CSA, LayerKind.HCA)
@@ -81,13 +83,49 @@ TABLE: tuple[ParamName, ...] = (
 )
 
 
+def check_layout(layout, name: str = "layout") -> str:
+    """`layout` if it is one of `LAYOUTS`; raises naming it otherwise."""
+    if not isinstance(layout, str):
+        checks.fail(name, f"one of {LAYOUTS}", repr(layout), TypeError)
+    checks.one_of(name, layout, LAYOUTS)
+    return layout
+
+
+def index(name: str, value, lo: int = 0, hi: int | None = None) -> int:
+    """`checks.integer`, with a value of the wrong type shown with its repr and type (so that
+    the string "3" does not read as the integer 3)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        checks.fail(name, "an integer", f"{value!r} ({type(value).__name__})", TypeError)
+    return checks.integer(name, value, lo=lo, hi=hi)
+
+
+def layer_kind(kind, name: str = "kind") -> LayerKind:
+    """A `LayerKind` from a `LayerKind` or its int value; raises naming it otherwise."""
+    if isinstance(kind, LayerKind):
+        return kind
+    if (isinstance(kind, bool) or not isinstance(kind, numbers.Integral)
+            or kind not in {k.value for k in LayerKind}):
+        checks.fail(name, "a LayerKind (" + ", ".join(f"{k.name}={k.value}" for k in LayerKind)
+                    + ")", repr(kind))
+    return LayerKind(kind)
+
+
+def check_config(config, name: str = "config") -> AttentionConfig:
+    if not isinstance(config, AttentionConfig):
+        checks.fail(name, "an AttentionConfig", type(config).__name__, TypeError)
+    return config
+
+
 def names_for(kind: LayerKind) -> tuple[ParamName, ...]:
     """The parameters a layer of `kind` has."""
+    kind = layer_kind(kind)
     return tuple(p for p in TABLE if kind in p.kinds)
 
 
 def expected_shapes(config: AttentionConfig, kind: LayerKind) -> dict[str, tuple[int, ...]]:
     """V4Attention path -> shape, for one layer of `kind`."""
+    check_config(config)
+    kind = layer_kind(kind)
     D, H, hd, q = config.hidden_size, config.num_heads, config.head_dim, config.q_lora_rank
     g, R = config.o_groups, config.o_lora_rank
     nI, c = config.index_heads, config.index_head_dim
@@ -115,8 +153,8 @@ def expected_shapes(config: AttentionConfig, kind: LayerKind) -> dict[str, tuple
 
 def layer_prefix(layout: str, layer: int) -> str:
     """The prefix of layer `layer`'s attention tensors in a whole checkpoint."""
+    check_layout(layout)
+    layer = index("layer", layer)
     if layout == TRANSFORMERS:
         return f"model.layers.{layer}.self_attn."
-    if layout == OFFICIAL:
-        return f"layers.{layer}.attn."
-    raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+    return f"layers.{layer}.attn."
