@@ -387,3 +387,150 @@ def test_load_into_and_write_attention_errors(tmp_path):
     with pytest.raises(TypeError, match="path: expected a str or os.PathLike; got 1"):
         interop.write_attention(1, params, MODEL, "official")
     assert not out.exists()
+
+
+# --- config.json mapping ---------------------------------------------------------------------
+
+OFFICIAL_JSON = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32,
+    "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+    "sliding_window": 16, "num_hidden_layers": 5, "compress_ratios": [0, 4, 16, 4, 16, 0],
+    "index_n_heads": 16, "index_head_dim": 16, "index_topk": 8, "rope_theta": 10000,
+    "compress_rope_theta": 160000, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+}
+HF_JSON = {k: v for k, v in OFFICIAL_JSON.items() if k not in ("compress_ratios", "rope_scaling")}
+HF_JSON.update(
+    layer_types=["sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000},
+                     "compress": {"rope_type": "yarn", "factor": 16, "rope_theta": 160000,
+                                  "original_max_position_embeddings": 65536,
+                                  "beta_fast": 32, "beta_slow": 1, "attention_factor": 1.0}})
+
+
+def from_json(base, **changes):
+    d = {k: v for k, v in base.items() if k not in changes or changes[k] is not ...}
+    d.update({k: v for k, v in changes.items() if v is not ...})
+    return interop.attention_config_from_hf(d)
+
+
+def test_both_config_forms_map_to_the_same_config():
+    assert from_json(OFFICIAL_JSON) == MODEL
+    assert from_json(HF_JSON) == MODEL
+    # Without the MTP entry, and with the thetas only in the nested rope parameters.
+    assert from_json(OFFICIAL_JSON, compress_ratios=[0, 4, 16, 4, 16]) == MODEL
+    nested = HF_JSON["rope_parameters"]
+    thetas = {"main": dict(nested["main"], rope_theta=5000),
+              "compress": dict(nested["compress"], rope_theta=7000)}
+    assert from_json(HF_JSON, rope_theta=..., compress_rope_theta=..., rope_parameters=thetas
+                     ) == v4.tiny(index_heads=16, rope_theta=5000.0, compress_rope_theta=7000.0)
+
+
+@pytest.mark.parametrize("length", [4, 7])
+def test_compress_ratios_of_the_wrong_length(length):
+    ratios = ([0, 4, 16, 4, 16, 0, 0])[:length]
+    with pytest.raises(ValueError, match=re.escape(
+            "compress_ratios: expected num_hidden_layers=5 entries, or 6 with the trailing MTP "
+            f"entry of the official checkpoint; got {length} entries")):
+        from_json(OFFICIAL_JSON, compress_ratios=ratios)
+
+
+def test_layer_lists_that_disagree():
+    with pytest.raises(ValueError, match=r"layer_types: expected one entry per layer "
+                                         r"\(num_hidden_layers=4\); got 5 entries"):
+        from_json(HF_JSON, num_hidden_layers=4)
+    with pytest.raises(ValueError, match=r"num_hidden_layers: expected an integer >= 1 next to "
+                                         r"compress_ratios .*; got no such entry"):
+        from_json(OFFICIAL_JSON, num_hidden_layers=...)
+    with pytest.raises(ValueError, match=r"compress_ratios: expected the ratios layer_types "
+                                         r"gives \(\[0, 4, 16, 4, 16\]\); "
+                                         r"got \[0, 4, 16, 16, 16\]"):
+        from_json(HF_JSON, compress_ratios=[0, 4, 16, 16, 16, 0])
+    with pytest.raises(ValueError,
+                       match=r"layer_types: expected values in .*; got 'full_attention'"):
+        from_json(HF_JSON, layer_types=["full_attention"] * 5)
+    with pytest.raises(ValueError, match=r"compress_ratios: expected at most two distinct "
+                                         r"non-zero ratios .*; got \[4, 8, 16\]"):
+        from_json(OFFICIAL_JSON, compress_ratios=[0, 4, 16, 8, 16])
+    with pytest.raises(ValueError, match=r"compress_ratios\[1\]: expected an integer in \[0, "
+                                         r"inf\]; got -4"):
+        from_json(OFFICIAL_JSON, compress_ratios=[0, -4, 16, 4, 16])
+    with pytest.raises(ValueError, match="config: expected layer_types .* or compress_ratios "
+                                         ".*; got neither"):
+        from_json(HF_JSON, layer_types=...)
+    with pytest.raises(ValueError, match=r"compress_rates: expected keys .*; got \['csa'\]"):
+        from_json(HF_JSON, compress_rates={"csa": 4})
+
+
+@pytest.mark.parametrize("rope, where, got", [
+    ({"type": "linear", "factor": 2.0}, "rope_scaling type", "'linear'"),
+    ({"rope_type": "llama3", "factor": 8.0}, "rope_scaling rope_type", "'llama3'"),
+])
+def test_unsupported_rope_scaling(rope, where, got):
+    with pytest.raises(ValueError, match=re.escape(
+            f"{where}: expected one of ('default', 'yarn') (the RoPE scalings V4 attention "
+            f"supports); got {got}")):
+        from_json(OFFICIAL_JSON, rope_scaling=rope)
+
+
+def test_rope_parameters_errors():
+    nested = HF_JSON["rope_parameters"]
+    with pytest.raises(ValueError, match=r"rope_parameters\['main'\] rope_type: expected "
+                                         r"'default' .*; got 'yarn'"):
+        from_json(HF_JSON, rope_parameters=dict(nested, main={"rope_type": "yarn"}))
+    with pytest.raises(ValueError, match=r"rope_parameters\['compress'\] rope_type: expected "
+                                         r"one of .*; got 'dynamic'"):
+        from_json(HF_JSON, rope_parameters=dict(nested, compress={"rope_type": "dynamic"}))
+    with pytest.raises(ValueError, match=r"rope_scaling: expected a 'factor' entry .*; got none "
+                                         r"among its keys \['type'\]"):
+        from_json(OFFICIAL_JSON, rope_scaling={"type": "yarn"})
+    with pytest.raises(ValueError, match=r"rope_scaling factor: expected a YaRN factor >= 1; "
+                                         r"got 0\.5"):
+        from_json(OFFICIAL_JSON, rope_scaling={"type": "yarn", "factor": 0.5})
+    with pytest.raises(ValueError, match=r"rope_scaling attention_factor: expected 1\.0 .*; "
+                                         r"got 1\.2"):
+        from_json(OFFICIAL_JSON, rope_scaling={"type": "yarn", "factor": 4,
+                                               "attention_factor": 1.2})
+    with pytest.raises(ValueError, match=r"rope_theta: expected the same value as "
+                                         r"rope_parameters\['main'\] rope_theta=10000\.0; "
+                                         r"got 5000\.0"):
+        from_json(HF_JSON, rope_theta=5000)
+    with pytest.raises(TypeError, match="rope_scaling: expected a JSON object"):
+        from_json(OFFICIAL_JSON, rope_scaling="yarn")
+
+
+def test_sliding_window_and_other_fields():
+    with pytest.raises(ValueError, match="sliding_window: expected a positive integer: every V4 "
+                                         "layer attends through a sliding window; got None"):
+        from_json(OFFICIAL_JSON, sliding_window=None)
+    with pytest.raises(ValueError, match=r"sliding_window: expected an integer in \[1, inf\]; "
+                                         r"got 0"):
+        from_json(OFFICIAL_JSON, sliding_window=0)
+    with pytest.raises(ValueError, match=r"config: expected a 'o_groups' entry .*; got none "
+                                         r"among its keys \["):
+        from_json(OFFICIAL_JSON, o_groups=...)
+    with pytest.raises(TypeError, match=r"hidden_size: expected an integer >= 1; got 64\.5 "
+                                        r"\(float\)"):
+        from_json(OFFICIAL_JSON, hidden_size=64.5)
+    with pytest.raises(TypeError, match=r"index_topk: expected an integer >= 1; got '8' \(str\)"):
+        from_json(OFFICIAL_JSON, index_topk="8")
+    with pytest.raises(ValueError, match=r"rms_norm_eps: expected a number in \(0\.0, inf\]; "
+                                         r"got -1e-06"):
+        from_json(OFFICIAL_JSON, rms_norm_eps=-1e-6)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor: expected a whole number of "
+                                         r"rope dims out of head_dim=32; got 0\.1 "):
+        from_json(OFFICIAL_JSON, qk_rope_head_dim=..., partial_rotary_factor=0.1)
+    with pytest.raises(ValueError, match=r"qk_rope_head_dim: expected head_dim x "
+                                         r"partial_rotary_factor = 16; got 8"):
+        from_json(OFFICIAL_JSON, partial_rotary_factor=0.5)
+    with pytest.raises(TypeError, match="d: expected a config.json dict .*; got str"):
+        interop.attention_config_from_hf("config.json")
+    with pytest.raises(TypeError, match=r"overrides: expected AttentionConfig fields .*; "
+                                        r"got \['windw'\]"):
+        interop.attention_config_from_hf(OFFICIAL_JSON, windw=8)
+    with pytest.raises(TypeError, match="config: expected an AttentionConfig; got dict"):
+        interop.transformers_config_kwargs(OFFICIAL_JSON)
