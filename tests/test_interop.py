@@ -233,7 +233,8 @@ def test_config_from_an_official_config_json():
                          "beta_fast": 32, "beta_slow": 1},
     }
     assert interop.attention_config_from_hf(json.loads(json.dumps(official))) == v4.flash()
-    with pytest.raises(ValueError, match="num_key_value_heads=8"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads: expected 1 \(V4 attention has "
+                                         r"one KV head\); got 8"):
         interop.attention_config_from_hf(dict(official, num_key_value_heads=8))
 
 
