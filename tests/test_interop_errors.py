@@ -534,3 +534,42 @@ def test_sliding_window_and_other_fields():
         interop.attention_config_from_hf(OFFICIAL_JSON, windw=8)
     with pytest.raises(TypeError, match="config: expected an AttentionConfig; got dict"):
         interop.transformers_config_kwargs(OFFICIAL_JSON)
+
+
+# --- transformers side by side ---------------------------------------------------------------
+
+
+def test_torch_reference_argument_errors():
+    pytest.importorskip("transformers")
+    from v4kv_jax.interop.torch_reference import TransformersAttention
+
+    with pytest.raises(TypeError, match="config: expected an AttentionConfig; got dict"):
+        TransformersAttention({})
+    with pytest.raises(ValueError, match=r"residual: expected True for a config of several "
+                                         r"layers .*; got False with 5 layers"):
+        TransformersAttention(MODEL, residual=False)
+    ref = TransformersAttention(MODEL)
+    with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, 4\]; got 5"):
+        ref.state_dict(5)
+    with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, 4\]; got -1"):
+        ref.attention_params(-1)
+    with pytest.raises(TypeError, match=r"seed: expected an integer; got 0\.5 \(float\)"):
+        ref.randomize(seed=0.5)
+    params = random_params(MODEL, LayerKind.SWA)
+    with pytest.raises(interop.CheckpointError, match=r"q_a_proj has shape \(32, 63\); "
+                                                      r"expected \(32, 64\)"):
+        ref.load(0, dict(params, q_a_proj=np.zeros((32, 63), np.float32)))
+    with pytest.raises(ValueError, match=r"norm: expected shape \(64\); got shape \(63,\)"):
+        ref.load(0, params, norm=np.ones(63, np.float32))
+    x = np.zeros((1, 4, 63), np.float32)
+    with pytest.raises(ValueError, match=r"x: expected shape \(\*, \*, 64\); got shape "
+                                         r"\(1, 4, 63\)"):
+        ref.forward(x, ref.new_cache(), 0)
+    x = np.zeros((1, 4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"start: expected an integer in \[0, inf\]; got -2"):
+        ref.forward(x, ref.new_cache(), -2)
+    with pytest.raises(ValueError, match=r"chunks: expected an integer in \[1, inf\]; got 0"):
+        ref.run_chunks(x, [2, 0, 2])
+    with pytest.raises(ValueError, match=r"chunks: expected sizes summing to at most x's 4 "
+                                         r"positions; got \[3, 3\] \(sum 6\)"):
+        ref.run_chunks(x, [3, 3])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig
 from v4kv_jax.interop import convert, names
 from v4kv_jax.interop.hf_config import transformers_config_kwargs
@@ -41,9 +42,12 @@ class TransformersAttention:
     def __init__(self, config: AttentionConfig, residual: bool = True):
         from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
+        names.check_config(config)
+        if not isinstance(residual, bool):
+            checks.fail("residual", "a bool", residual, TypeError)
         if not residual and config.num_layers != 1:
-            raise ValueError(f"residual=False runs a bare layer; the config has "
-                             f"{config.num_layers} layers")
+            checks.fail("residual", "True for a config of several layers (False runs one bare "
+                        "layer)", f"False with {config.num_layers} layers")
         self.config = config
         self.residual = residual
         self.hf_config = transformers_config(config)
@@ -59,6 +63,9 @@ class TransformersAttention:
     def randomize(self, seed: int = 0, bias_scale: float = 0.5, norm_scale: float = 0.1) -> None:
         """Random weights: projections N(0, 1/fan_in), norm weights 1 + N(0, norm_scale^2),
         ape (`position_bias`) and sinks N(0, bias_scale^2) (transformers leaves them empty)."""
+        seed = names.index("seed", seed, hi=2**63 - 1)
+        checks.real("bias_scale", bias_scale, lo=0.0)
+        checks.real("norm_scale", norm_scale, lo=0.0)
         gen = torch.Generator().manual_seed(seed)
         for module in [*self.layers, *self.norms]:
             for name, p in module.named_parameters():
@@ -72,21 +79,29 @@ class TransformersAttention:
 
     def state_dict(self, layer: int) -> dict[str, np.ndarray]:
         """The transformers-named tensors of one attention layer, as numpy."""
-        return {k: v.detach().numpy().copy() for k, v in self.layers[layer].state_dict().items()}
+        return {k: v.detach().numpy().copy()
+                for k, v in self.layers[self._layer(layer)].state_dict().items()}
 
     def attention_params(self, layer: int) -> dict[str, np.ndarray]:
         """One layer's weights as `V4Attention` params (through `convert.attention_params`)."""
+        layer = self._layer(layer)
         return convert.attention_params(self.state_dict(layer), self.config,
                                         self.config.layer_kinds[layer], names.TRANSFORMERS)
 
     def norm_weight(self, layer: int) -> np.ndarray:
-        return self.norms[layer].weight.detach().numpy().copy()
+        return self.norms[self._layer(layer)].weight.detach().numpy().copy()
+
+    def _layer(self, layer) -> int:
+        return names.index("layer", layer, hi=self.config.num_layers - 1)
 
     @torch.no_grad()
     def load(self, layer: int, params, norm=None) -> None:
         """Sets one layer's weights from `V4Attention` params (and its pre-norm weight)."""
+        layer = self._layer(layer)
         tensors = convert.checkpoint_tensors(params, self.config.layer_kinds[layer],
-                                             names.TRANSFORMERS)
+                                             names.TRANSFORMERS, config=self.config)
+        if norm is not None:
+            checks.shape("norm", norm, (self.config.hidden_size,))
         self.layers[layer].load_state_dict(
             {k: torch.from_numpy(np.array(v, np.float32)) for k, v in tensors.items()},
             strict=True)
@@ -106,6 +121,8 @@ class TransformersAttention:
         cache holds equal-length rows). Returns f32[B, T, D]."""
         from transformers.masking_utils import create_sliding_window_causal_mask
 
+        checks.shape("x", x, (None, None, self.config.hidden_size))
+        start = names.index("start", start)
         h = torch.as_tensor(np.asarray(x, np.float32))
         batch, tokens, _ = h.shape
         pos = torch.arange(start, start + tokens)[None].expand(batch, -1)
@@ -123,6 +140,11 @@ class TransformersAttention:
     def run_chunks(self, x, chunks) -> np.ndarray:
         """Feeds x [B, L, D] in chunks of the given sizes through a fresh cache; returns the
         outputs of every position, f32[B, sum(chunks), D]."""
+        checks.shape("x", x, (None, None, self.config.hidden_size))
+        chunks = [names.index("chunks", n, lo=1) for n in chunks]
+        if sum(chunks) > np.shape(x)[1]:
+            checks.fail("chunks", f"sizes summing to at most x's {np.shape(x)[1]} positions",
+                        f"{chunks} (sum {sum(chunks)})")
         cache, outs, done = self.new_cache(), [], 0
         for n in chunks:
             outs.append(self.forward(np.asarray(x)[:, done:done + n], cache, done))
