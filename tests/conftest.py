@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
-from v4kv_jax import step, synthetic
+from v4kv_jax import oracle, step, synthetic
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -23,8 +23,40 @@ GEOMETRY = v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6, query_
 CHUNK = 32  # the one prefill chunk shape used by the tests
 
 
+# Library vs the float64 oracle, outside the RoPE dims: fp32 arithmetic alone. Observed at
+# most 9e-7 on values up to |4| (about 4 ulps); 4e-6 leaves a factor 4 for other seeds.
+ORACLE_FP32_ATOL = 4e-6
+# Largest |value| the library rotates in these tests: RMS-normed entries (norm weights
+# 1 +- 0.1) and attention outputs, weighted means of N(0, 1) draws; observed at most 4.
+ROTATED_BOUND = 6.0
+
+
 def hypothesis_examples(default: int) -> int:
     return int(os.environ.get("V4KV_HYPOTHESIS_EXAMPLES", default))
+
+
+def oracle_atol(model, kind, positions, magnitude=ROTATED_BOUND, rotations: int = 1):
+    """Tolerance of library values against the oracle: fp32 arithmetic plus `rotations` times
+    the bound on the fp32 RoPE angles at `positions` (`oracle.rope_atol`, SPEC pitfall 11).
+
+    A cached entry is rotated once. An attention output carries three such errors: its entries'
+    rotations (a weighted mean of them), the logit shift they cause, and its own de-rotation.
+    """
+    return ORACLE_FP32_ATOL + rotations * oracle.rope_atol(model, kind, positions, magnitude)
+
+
+def assert_matches_oracle(got, want, atol, err_msg=""):
+    """|got - want| <= atol elementwise (atol broadcast against them, e.g. per position)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{err_msg}: shape {got.shape} != {want.shape}"
+    atol = np.broadcast_to(atol, got.shape)
+    off = ~(np.abs(got - want) <= atol)
+    if off.any():
+        i = np.unravel_index(np.argmax(np.where(off, np.abs(got - want) - atol, -np.inf)),
+                             got.shape)
+        raise AssertionError(
+            f"{err_msg}: {int(off.sum())} of {off.size} values off the oracle; worst at {i}: "
+            f"got {got[i]:.9g}, want {want[i]:.9g}, tolerance {atol[i]:.3g}")
 
 
 def new_cache(model=MODEL, geometry=GEOMETRY, slots=None):

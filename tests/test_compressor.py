@@ -11,7 +11,8 @@ from v4kv_jax.config import LayerKind
 # width 8 with rope_dim 2: dims 0..5 are never rotated, so the numbers stay readable.
 MODEL = v4.tiny(head_dim=8, rope_dim=2, index_head_dim=8, num_heads=2, o_groups=1)
 CSA = comp.CompressorSpec("csa", LayerKind.CSA, 4, True, 8)
-INV = rope.inv_frequencies(MODEL, LayerKind.CSA)
+INV = rope.inv_frequencies(MODEL, LayerKind.CSA)  # the library's table, which it pools with
+ORACLE_INV = oracle.inv_frequencies(MODEL, LayerKind.CSA)  # the SPEC's, in float64
 
 
 def _pool(spec, kv, gate, start, blocks, norm=None):
@@ -46,14 +47,18 @@ def test_overlap_halves_by_hand():
     np.testing.assert_allclose(entries[0], expected0, rtol=1e-6)
 
 
-def test_swapped_halves_would_differ():
-    kv = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
-    gate = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
-    swapped_kv = np.concatenate([kv[:, 8:], kv[:, :8]], axis=1)
-    swapped_gate = np.concatenate([gate[:, 8:], gate[:, :8]], axis=1)
-    a = _pool(CSA, kv, gate, 0, [1])
-    b = _pool(CSA, swapped_kv, swapped_gate, 0, [1])
-    assert np.abs(a - b).max() > 1e-2
+def test_library_matches_the_oracle_and_not_the_swapped_halves():
+    # Random inputs: the library's entries equal the float64 oracle's, and the oracle fed the
+    # two halves swapped (pitfall 1) is far from both.
+    kv = np.random.default_rng(0).standard_normal((12, 16)).astype(np.float32)
+    gate = np.random.default_rng(1).standard_normal((12, 16)).astype(np.float32)
+    got = _pool(CSA, kv, gate, 0, [0, 1, 2])
+    want = oracle.compress(kv, gate, np.zeros((4, 16)), np.ones(8), 4, True, ORACLE_INV, 1e-6,
+                           12)
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    swapped = oracle.compress(np.roll(kv, 8, axis=1), np.roll(gate, 8, axis=1),
+                              np.zeros((4, 16)), np.ones(8), 4, True, ORACLE_INV, 1e-6, 12)
+    assert np.abs(swapped[1:] - want[1:]).max(axis=-1).min() > 1e-1
 
 
 def test_entry_rope_position_is_first_token_of_block():
@@ -61,11 +66,23 @@ def test_entry_rope_position_is_first_token_of_block():
     kv = rng.standard_normal((12, 16)).astype(np.float32)
     gate = rng.standard_normal((12, 16)).astype(np.float32)
     got = _pool(CSA, kv, gate, 0, [0, 1, 2])
-    want = oracle.compress(kv, gate, np.zeros((4, 16)), np.ones(8), 4, True, INV, 1e-6, 12)
+    want = oracle.compress(kv, gate, np.zeros((4, 16)), np.ones(8), 4, True, ORACLE_INV, 1e-6,
+                           12)
     np.testing.assert_allclose(got, want, atol=1e-6)
-    # The rotated pair of entry 2 is at angle 8 * f, not 11 * f.
-    unrotated = _pool(CSA, kv, gate, 0, [2])
-    assert unrotated.shape == (1, 8)
+    # Entry 2 pooled alone: its rotated pair (dims 6, 7; f = 1 with rope_dim 2) is its
+    # unrotated pair turned by 8 rad (token 8, the block's first), not 11 rad (its last).
+    (entry,) = _pool(CSA, kv, gate, 0, [2])
+    np.testing.assert_allclose(entry, got[2], atol=1e-6)
+    unrotated = oracle.compress(kv, gate, np.zeros((4, 16)), np.ones(8), 4, True,
+                                np.zeros(1), 1e-6, 12)[2]
+    x0, x1 = unrotated[6], unrotated[7]
+
+    def turned(angle):
+        return [x0 * np.cos(angle) - x1 * np.sin(angle), x0 * np.sin(angle) + x1 * np.cos(angle)]
+
+    np.testing.assert_allclose(entry[6:], turned(8.0), atol=1e-6)
+    np.testing.assert_allclose(entry[:6], unrotated[:6], atol=1e-6)
+    assert np.abs(entry[6:] - turned(11.0)).max() > 1e-1
 
 
 def test_position_bias_row_is_t_mod_m_for_both_halves():
@@ -77,7 +94,7 @@ def test_position_bias_row_is_t_mod_m_for_both_halves():
                               jnp.arange(8)[None])
     np.testing.assert_allclose(np.asarray(biased)[0], gate + ape[np.arange(8) % 4], atol=1e-6)
     got = _pool(CSA, kv, np.asarray(biased)[0], 0, [0, 1])
-    want = oracle.compress(kv, gate, ape, np.ones(8), 4, True, INV, 1e-6, 8)
+    want = oracle.compress(kv, gate, ape, np.ones(8), 4, True, ORACLE_INV, 1e-6, 8)
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 

@@ -1,9 +1,13 @@
 """Brute-force oracle written straight from SPEC.md, in float64 numpy, with no cache at all.
 
 Every entry is recomputed from the full token history, every query attends with dense masks.
-It is slow on purpose and shares no code with the library except the RoPE frequency table
-(`rope.inv_frequencies`), so a bug in the pools, the paging or the streaming shows up as a
-difference. Used by the tests and by `v4kv demo` to report the largest deviation.
+It is slow on purpose and shares no code with the library (its RoPE frequencies, YaRN
+included, are its own float64 table from the SPEC formula), so a bug in the pools, the
+paging, the streaming or the library's RoPE tables shows up as a difference. Used by the tests
+and by `v4kv demo` to report the largest deviation.
+
+The library forms angles in fp32 (as the executable reference does), so its RoPE dims differ
+from these by up to `rope_atol`, which grows with the position (SPEC pitfall 11).
 
 Inputs are one sequence's per-token vectors, per layer (numpy arrays over positions 0..L-1).
 """
@@ -11,10 +15,10 @@ Inputs are one sequence's per-token vectors, per layer (numpy arrays over positi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-from v4kv_jax import rope
 from v4kv_jax.config import AttentionConfig, LayerKind
 
 
@@ -47,10 +51,56 @@ class LayerHistory:
     index_weights: np.ndarray | None = None
 
 
+def inv_frequencies(config: AttentionConfig, kind: LayerKind) -> np.ndarray:
+    """f64[r // 2]: f_i = theta^(-2i / r), with YaRN for CSA and HCA layers (SPEC section 2).
+
+    SWA layers use `rope_theta` as is. CSA and HCA layers use `compress_rope_theta` and the YaRN
+    blend, with the floor / ceil of lo and hi (pitfall 10); a factor of 1 leaves f unchanged.
+    """
+    r = config.rope_dim
+    i = np.arange(r // 2, dtype=np.float64)
+    if kind == LayerKind.SWA:
+        return float(config.rope_theta) ** (-2.0 * i / r)
+    theta = float(config.compress_rope_theta)
+    f = theta ** (-2.0 * i / r)
+    original = config.yarn_original_max_position
+
+    def delta(rotations: float) -> float:
+        return r * math.log(original / (2 * math.pi * rotations)) / (2 * math.log(theta))
+
+    lo = max(math.floor(delta(config.yarn_beta_fast)), 0)
+    hi = min(math.ceil(delta(config.yarn_beta_slow)), r - 1)
+    if lo == hi:
+        hi += 0.001
+    gamma = np.clip((i - lo) / (hi - lo), 0.0, 1.0)
+    return f * (1.0 - gamma) + (f / config.yarn_factor) * gamma
+
+
+def rope_atol(config: AttentionConfig, kind: LayerKind, position, magnitude) -> np.ndarray:
+    """Bound on |library - oracle| in the RoPE dims of a vector rotated at `position` whose
+    rotated values are at most `magnitude` in absolute value (SPEC pitfall 11).
+
+    The library forms the angle in fp32 as fl32(p * F_i), F_i its fp32 table. F_i is off by
+    at most 7 fp32 roundings (2^-24 relative each) of f_i: 2 for the power (`powf` is within
+    an ulp), 2 for the reciprocals, 3 for the YaRN blend (measured: at most 2.8 for r = 8 and
+    r = 64); the exponent 2i / r is exact when r is a power of two, else its rounding adds
+    ln(theta) more; the product adds one. So the angle of pair i is off by at most
+    (8 [+ ln theta]) * 2^-24 * p * f_i, except pair 0, whose f_0 = theta^0 = 1 and angle p * 1
+    are exact. Turning a pair of norm at most sqrt(2) * magnitude by e radians moves each of
+    its two values by at most that much times e.
+    """
+    r = config.rope_dim
+    theta = config.rope_theta if kind == LayerKind.SWA else config.compress_rope_theta
+    roundings = 8 + (0 if r & (r - 1) == 0 else math.log(theta))
+    f = inv_frequencies(config, kind)[1:]
+    worst = roundings * 2.0**-24 * (f.max() if f.size else 0.0)
+    return worst * np.sqrt(2) * np.asarray(position, np.float64) * np.asarray(magnitude,
+                                                                               np.float64)
+
+
 def _rotate(x: np.ndarray, position, inv_freq: np.ndarray, inverse: bool = False) -> np.ndarray:
     r = 2 * inv_freq.shape[0]
-    # The angle is formed in fp32 like every implementation of the SPEC (pitfall 11).
-    angle = (np.float32(position) * inv_freq.astype(np.float32)).astype(np.float64)
+    angle = np.float64(position) * np.asarray(inv_freq, np.float64)
     sign = -1.0 if inverse else 1.0
     cos, sin = np.cos(angle), sign * np.sin(angle)
     out = np.array(x, dtype=np.float64)
@@ -110,7 +160,7 @@ def topk_picks(config: AttentionConfig, h: LayerHistory, t: int, index_keys: np.
 def attention_outputs(config: AttentionConfig, kind: LayerKind, h: LayerHistory, length: int
                       ) -> tuple[np.ndarray, float]:
     """Outputs of queries 0..length-1 of one layer: ([length, H, hd], smallest top-k margin)."""
-    inv_freq = rope.inv_frequencies(config, kind)
+    inv_freq = inv_frequencies(config, kind)
     entries = index_keys = None
     if kind == LayerKind.CSA:
         entries = compress(h.kv, h.gate, h.ape, h.norm, config.csa_ratio, True, inv_freq,
