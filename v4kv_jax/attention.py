@@ -61,10 +61,12 @@ def _softmax_fold(state: _Softmax, q: jax.Array, keys: jax.Array, visible: jax.A
                   ) -> _Softmax:
     """Folds keys (= values) into the running softmax.
 
-    keys are [B, K, hd] shared by all queries or [B, T, K, hd] per query, and must be finite
-    (callers zero the slots they could not read); visible is bool[B, T, K].
+    keys are [B, K, hd] shared by all queries or [B, T, K, hd] per query; visible is
+    bool[B, T, K]. A key no query may see can hold anything (another request's rows, NaN):
+    it is replaced by zeros with `where` before any arithmetic, since 0 * NaN is NaN.
     """
-    keys = keys.astype(jnp.float32)
+    seen = visible.any(axis=1) if keys.ndim == 3 else visible
+    keys = jnp.where(seen[..., None], keys.astype(jnp.float32), 0.0)
     scale = q.shape[-1] ** -0.5
     if keys.ndim == 3:
         logits = jnp.einsum("bthd,bkd->bthk", q, keys, precision=_HIGHEST)
@@ -229,14 +231,13 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
     q = queries.q.astype(jnp.float32)
     key_pos = window_base[:, None] + jnp.arange(window_keys.shape[1], dtype=jnp.int32)
     readable = (key_pos >= 0) & (key_pos < kv_end[:, None])
-    keys = jnp.where(readable[..., None], window_keys, 0)
     visible = ((key_pos[:, None, :] <= q_pos[..., None])
                & (key_pos[:, None, :] > q_pos[..., None] - model.window)
                & readable[:, None, :])
     # Key sets ([B, K, hd] per slot or [B, T, K, hd] per query, visible [B, T, K]) folded into
     # one softmax. With one query per slot they are joined first: one pair of dots per layer.
     state = _softmax_init(queries.sink, q)
-    key_sets = [(keys, visible)]
+    key_sets = [(window_keys, visible)]
 
     if kind == LayerKind.HCA:
         m = model.hca_ratio
@@ -247,7 +248,6 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
         def chunk(page_ids, first):
             ent, present = _gather_pages(entries, layer, page_ids)
             idx = first + jnp.arange(ent.shape[1], dtype=jnp.int32)
-            ent = jnp.where(present[..., None], ent, 0)
             return ent, (idx[None, None, :] < seen[..., None]) & present[:, None, :]
 
         if page_rows.shape[1] <= chunk_pages:  # one read covers every page: no loop
@@ -266,7 +266,7 @@ def attend(model: AttentionConfig, geometry: CacheConfig, kind: LayerKind, layer
             model.csa_ratio))
         ok = (picks >= 0) & (page >= 0)
         ent = entries[layer, jnp.clip(page, 0, None), row]
-        key_sets.append((jnp.where(ok[..., None], ent, 0), ok))
+        key_sets.append((ent, ok))
 
     state = _fold_key_sets(state, q, key_sets)
     out = state.acc / state.denom[..., None]

@@ -84,7 +84,7 @@ def shape(name: str, x, expected: tuple) -> None:
 
 def dtype_kind(name: str, x, kind: str) -> None:
     """x's dtype is of `kind`: "integer", "floating" or "bool"."""
-    dt = np.dtype(getattr(x, "dtype", np.asarray(x).dtype))
+    dt = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
     ok = {"integer": np.issubdtype(dt, np.integer) and dt != np.bool_,
           "floating": np.issubdtype(dt, np.floating) or dt.name == "bfloat16",
           "bool": dt == np.bool_}[kind]

@@ -292,7 +292,8 @@ def decode_attention(cache, kind: LayerKind, layer, kind_layer, queries: Queries
       kind: LayerKind.CSA or LayerKind.HCA (static); layer: global layer (window ring);
         kind_layer: index in the kind's stack.
       queries: `Queries` with T = 1 (CSA: index_q and index_weights too).
-      slot_ids, q_pos, kv_end: i32[B].
+      slot_ids, q_pos, kv_end: i32[B]; a row whose slot id is outside [0, max_slots) must
+        have kv_end 0: it reads nothing.
 
     Returns:
       f32[B, 1, H, hd], de-rotated.
@@ -300,7 +301,8 @@ def decode_attention(cache, kind: LayerKind, layer, kind_layer, queries: Queries
     if kind not in (LayerKind.CSA, LayerKind.HCA):
         raise ValueError(f"kind={kind!r}: decode kernels exist for CSA and HCA layers only")
     model, geo = cache.model, cache.geometry
-    page_rows = cache.pages.page_table[slot_ids]
+    page_rows = paging.slot_rows(cache.pages, slot_ids)
+    slot_ids = jnp.clip(slot_ids, 0, geo.max_slots - 1)  # a row with kv_end 0 reads nothing
     q, sink = queries.q[:, 0], queries.sink
     options = dict(implementation=implementation, interpret=interpret)
     if kind == LayerKind.CSA:

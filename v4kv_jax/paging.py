@@ -41,6 +41,15 @@ class PageState:
         return self.refcount.shape[0]
 
 
+def slot_rows(pages: PageState, slot_ids: jax.Array) -> jax.Array:
+    """i32[B, max_pages_per_seq]: the page-table rows of `slot_ids`; all -1 (no page) for an
+    id outside [0, max_slots), so such a row reads no entry."""
+    S = pages.page_table.shape[0]
+    inside = (slot_ids >= 0) & (slot_ids < S)
+    rows = pages.page_table[jnp.clip(slot_ids, 0, S - 1)]
+    return jnp.where(inside[:, None], rows, -1)
+
+
 def pages_for(length: jax.Array, page_tokens: int) -> jax.Array:
     """Pages a sequence of `length` tokens occupies: ceil(length / P)."""
     return (length + page_tokens - 1) // page_tokens

@@ -26,16 +26,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import paging
+from v4kv_jax import checks, paging
 from v4kv_jax.compressor import CompressorSpec, compressor_specs
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, itemsize
 
 
 class SlotStatus(enum.IntEnum):
+    """What a slot is doing. A flagged slot (OUT_OF_PAGES, OVER_CAPACITY, REJECTED) keeps its
+    data, appends nothing until `clear_flags`, and its flag stays until then.
+
+    Ordered so that a flag outranks ACTIVE (`max` of two statuses keeps the flag).
+    """
+
     FREE = 0
     ACTIVE = 1
     OUT_OF_PAGES = 2  # an append needed pages the free stack did not have; nothing was written
     OVER_CAPACITY = 3  # an append would pass max_pages_per_seq * page_tokens; nothing written
+    REJECTED = 4  # a call broke a rule for this slot (named twice, n_new outside [0, T], a
+    #              token id outside the vocabulary); that row wrote nothing
 
 
 _ENTRY_FIELD = {"csa": "c4", "csa_index": "index_keys", "hca": "c128"}
@@ -115,33 +123,85 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     )
 
 
-def reset_slot(cache: Cache, slot: jax.Array) -> Cache:
-    """Starts a new, empty sequence in `slot`: length 0, ACTIVE, window and tails zeroed.
+def _slot_mask(cache: Cache, slot) -> jax.Array:
+    """bool[max_slots]: the one slot `slot` (all False for an id outside [0, max_slots))."""
+    return jnp.arange(cache.geometry.max_slots) == jnp.asarray(slot, jnp.int32)
 
-    The slot must hold no pages (release it first).
+
+def _check_slot(cache: Cache, slot, *, free: bool | None = None) -> None:
+    """Host-side checks of a concrete slot id (and that it is FREE / not FREE)."""
+    if not checks.concrete(slot, cache.state.status):
+        return
+    s = checks.slot(slot, cache.geometry.max_slots)
+    status = SlotStatus(int(cache.state.status[s]))
+    if free is True and status != SlotStatus.FREE:
+        held = int(np.sum(np.asarray(cache.pages.page_table[s]) >= 0))
+        checks.fail("slot", "a FREE slot (release_slot it first)",
+                    f"slot {s} {status.name} with length {int(cache.state.lengths[s])} "
+                    f"and {held} page(s)")
+
+
+def reset_slot(cache: Cache, slot) -> Cache:
+    """Starts a new, empty sequence in a FREE `slot`: length 0, ACTIVE, window and tails
+    zeroed.
+
+    Called with a concrete slot, a slot outside [0, max_slots) or one that is not FREE raises
+    ValueError. Inside a caller's jit nothing is checked: an out-of-range id changes nothing,
+    and a slot that still holds pages first gives them back (as `release_slot`), so none is
+    lost.
     """
+    _check_slot(cache, slot, free=True)
+    mask = _slot_mask(cache, slot)
+    cache = cache.replace(pages=paging.release(cache.pages, mask))
     state = cache.state
 
     def clear(x):
-        return x.at[:, slot].set(0)
+        return jnp.where(mask.reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
 
     state = state.replace(
-        lengths=state.lengths.at[slot].set(0),
-        status=state.status.at[slot].set(SlotStatus.ACTIVE),
+        lengths=jnp.where(mask, 0, state.lengths),
+        status=jnp.where(mask, SlotStatus.ACTIVE, state.status),
         window=clear(state.window),
         **{s.name: jax.tree.map(clear, state.tail(s.name)) for s in cache.specs},
     )
     return cache.replace(state=state)
 
 
-def release_slot(cache: Cache, slot: jax.Array) -> Cache:
-    """Ends the sequence in `slot`: its pages lose one reference each, the slot becomes FREE."""
-    mask = jnp.arange(cache.geometry.max_slots) == slot
+def release_slot(cache: Cache, slot) -> Cache:
+    """Ends the sequence in `slot`: its pages lose one reference each, the slot becomes FREE.
+
+    Releasing a FREE slot changes nothing. A concrete slot outside [0, max_slots) raises
+    ValueError; inside a caller's jit it changes nothing.
+    """
+    _check_slot(cache, slot)
+    mask = _slot_mask(cache, slot)
     state = cache.state.replace(
         lengths=jnp.where(mask, 0, cache.state.lengths),
         status=jnp.where(mask, SlotStatus.FREE, cache.state.status),
     )
     return cache.replace(pages=paging.release(cache.pages, mask), state=state)
+
+
+def clear_flags(cache: Cache, slots) -> Cache:
+    """Makes flagged slots ACTIVE again, so that they append (their data never changed).
+
+    OUT_OF_PAGES: free pages first (release other slots) or the next append flags it again.
+    OVER_CAPACITY: the slot is at its maximum length; release it instead. REJECTED: fix the
+    call that broke a rule. ACTIVE and FREE slots are left as they are.
+
+    Args:
+      slots: i32[n] slot ids (concrete ids outside [0, max_slots) raise ValueError; inside a
+        caller's jit they change nothing).
+    """
+    S = cache.geometry.max_slots
+    if checks.concrete(slots):
+        checks.slot_ids(np.atleast_1d(np.asarray(slots)), S, name="slots")
+    ids = jnp.atleast_1d(jnp.asarray(slots, jnp.int32))
+    mask = jnp.zeros((S,), bool).at[jnp.where(ids >= 0, ids, S)].set(True, mode="drop")
+    status = cache.state.status
+    flagged = mask & (status != SlotStatus.FREE)
+    return cache.replace(state=cache.state.replace(
+        status=jnp.where(flagged, SlotStatus.ACTIVE, status)))
 
 
 # --- inspection and memory report (host side) ------------------------------------------------
@@ -284,7 +344,7 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 
 __all__ = [
     "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "SlotReport", "SlotStatus",
-    "StatePool", "Tail", "classical_bytes_per_token", "dense_cache_bytes_per_token",
+    "StatePool", "clear_flags", "Tail", "classical_bytes_per_token", "dense_cache_bytes_per_token",
     "init_cache", "inspect_slots", "memory_report", "release_slot", "reset_slot",
     "state_bytes_per_request",
 ]

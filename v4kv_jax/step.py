@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from v4kv_jax import checks, ops, paging
 from v4kv_jax import compressor as comp
-from v4kv_jax import ops, paging
 from v4kv_jax.attention import Queries, attend
 from v4kv_jax.compressor import CompressorInput, CompressorParams, CompressorWeights
 from v4kv_jax.config import LayerKind
@@ -81,14 +81,21 @@ class LayerRef:
 
     @classmethod
     def of(cls, cache: Cache, layer: int) -> LayerRef:
+        layer = checks.integer("layer", layer, lo=0, hi=cache.model.num_layers - 1)
         kind = cache.model.layer_kinds[layer]
         return cls(jnp.int32(layer), jnp.int32(cache.model.kind_index(layer)), kind)
 
 
 @struct.dataclass
 class AppendPlan:
-    """Who appends how much in one step: slot_ids i32[B], start i32[B] (length before),
-    n_new i32[B] (tokens granted, 0 for a slot that appends nothing)."""
+    """Who appends how much in one step.
+
+    Attributes:
+      slot_ids: i32[B], the row's slot, or max_slots for a row that neither reads nor writes
+        any slot (its slot id was outside [0, max_slots), or the row broke a rule).
+      start: i32[B], the slot's length before the append (0 for such rows).
+      n_new: i32[B], tokens granted (0 for a row that appends nothing).
+    """
 
     slot_ids: jax.Array
     start: jax.Array
@@ -103,38 +110,82 @@ class AppendPlan:
         return self.start[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
 
 
+def page_rows(cache: Cache, slot_ids: jax.Array) -> jax.Array:
+    """i32[B, max_pages_per_seq]: the page-table rows of `slot_ids` (`paging.slot_rows`)."""
+    return paging.slot_rows(cache.pages, slot_ids)
+
+
+def _read_slots(cache: Cache, slot_ids: jax.Array) -> jax.Array:
+    """Slot ids clipped into [0, max_slots) for reads of per-slot State rows; callers mask
+    what a clipped row reads by its length (0 for rows that read nothing)."""
+    return jnp.clip(slot_ids, 0, cache.geometry.max_slots - 1)
+
+
 # --- the three phases ------------------------------------------------------------------------
 
 
-def begin_append(cache: Cache, slot_ids: jax.Array, n_new: jax.Array, tokens: int
+def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
                  ) -> tuple[Cache, AppendPlan]:
     """Takes the pages `n_new` more tokens need in each slot; flags slots that cannot append.
+
+    Device-side rules (they hold inside a caller's jit, where nothing can raise):
+      * a row whose slot id is outside [0, max_slots) (e.g. -1 for batch padding) appends
+        nothing and reads nothing (its attention output is zeros);
+      * a row naming a slot an earlier row of the call already named, a row with n_new
+        outside [0, tokens], and a row marked in `reject` append and read nothing, and their
+        slot is flagged REJECTED (unless FREE);
+      * a slot that is not ACTIVE (FREE or flagged) appends nothing;
+      * a slot whose pages do not fit appends nothing and is flagged OUT_OF_PAGES, one that
+        would pass `max_seq_len` OVER_CAPACITY (`pools.clear_flags` makes them ACTIVE).
+    Called with concrete arguments, the first two rules raise ValueError instead.
 
     Args:
       cache: the cache.
       slot_ids: i32[B], distinct slots.
       n_new: i32[B], tokens each slot appends (0 <= n_new <= tokens).
-      tokens: T, the static chunk length.
+      tokens: T, the static chunk length (>= 1).
+      reject: optional bool[B], rows the caller found invalid (e.g. token ids outside the
+        vocabulary).
     """
     geo = cache.geometry
+    S = geo.max_slots
+    tokens = checks.integer("tokens", tokens, lo=1)
+    if checks.concrete(slot_ids, n_new):
+        _check_rows(cache, slot_ids, n_new, tokens)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     n_new = jnp.asarray(n_new, jnp.int32)
-    start = cache.state.lengths[slot_ids]
-    status = cache.state.status[slot_ids]
+    in_range = (slot_ids >= 0) & (slot_ids < S)
+    row = jnp.arange(slot_ids.shape[0])
+    repeated = jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
+                       axis=1)
+    broken = repeated | (n_new < 0) | (n_new > tokens)
+    if reject is not None:
+        broken = broken | jnp.asarray(reject, bool)
+    ok = in_range & ~broken
+    ids = jnp.where(ok, slot_ids, S)
+    read = jnp.clip(ids, 0, S - 1)
+    status = jnp.where(ok, cache.state.status[read], SlotStatus.FREE)
+    start = jnp.where(ok, cache.state.lengths[read], 0)
     wants = (n_new > 0) & (status == SlotStatus.ACTIVE)
     over = start + n_new > geo.max_seq_len
     max_new_pages = -(-tokens // geo.page_tokens) + 1
-    pages, granted = paging.allocate(cache.pages, slot_ids, start + n_new, wants & ~over,
+    pages, granted = paging.allocate(cache.pages, ids, start + n_new, wants & ~over,
                                      geo.page_tokens, max_new_pages)
     flag = jnp.where(over, SlotStatus.OVER_CAPACITY, SlotStatus.OUT_OF_PAGES)
-    new_status = jnp.where(wants & ~granted, flag, status)
-    state = cache.state.replace(status=cache.state.status.at[slot_ids].set(new_status))
-    plan = AppendPlan(slot_ids=slot_ids, start=start, n_new=jnp.where(granted, n_new, 0))
+    new_status = cache.state.status.at[ids].max(jnp.where(wants & ~granted, flag, status),
+                                                mode="drop")
+    # A broken row flags the slot it named, unless that slot is FREE (nothing to protect).
+    named = jnp.where(in_range & broken, slot_ids, S)
+    current = new_status[jnp.clip(named, 0, S - 1)]
+    new_status = new_status.at[named].max(
+        jnp.where(current != SlotStatus.FREE, SlotStatus.REJECTED, SlotStatus.FREE), mode="drop")
+    state = cache.state.replace(status=new_status)
+    plan = AppendPlan(slot_ids=ids, start=start, n_new=jnp.where(granted, n_new, 0))
     return cache.replace(pages=pages, state=state), plan
 
 
 def end_append(cache: Cache, plan: AppendPlan) -> Cache:
-    lengths = cache.state.lengths.at[plan.slot_ids].add(plan.n_new)
+    lengths = cache.state.lengths.at[plan.slot_ids].add(plan.n_new, mode="drop")
     return cache.replace(state=cache.state.replace(lengths=lengths))
 
 
@@ -178,9 +229,9 @@ def _append_compressor(cache: Cache, plan: AppendPlan, spec: comp.CompressorSpec
                                                                               params.ape)
     tail = cache.state.tail(spec.name)
     pool = ops.emit_entries(
-        spec, model, geo, cache.classical.entries(spec.name),
-        cache.pages.page_table[plan.slot_ids], layers, tail.kv, tail.gate, plan.slot_ids, kv,
-        gate, plan.start, plan.n_new, params.norm)
+        spec, model, geo, cache.classical.entries(spec.name), page_rows(cache, plan.slot_ids),
+        layers, tail.kv, tail.gate, _read_slots(cache, plan.slot_ids), kv, gate, plan.start,
+        plan.n_new, params.norm)
 
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
@@ -233,6 +284,33 @@ def _attend_layer(cache: Cache, ref: LayerRef, page_rows, queries: Queries, q_po
                   page_rows, queries, q_pos, kv_end, window_keys, window_base)
 
 
+def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVectors,
+                        queries: Queries, params: LayerParams) -> None:
+    """Shape checks of one layer's inputs (static: they run inside jit too)."""
+    model = cache.model
+    batch = plan.slot_ids.shape[0]
+    if vectors.window is None or np.ndim(vectors.window) != 3:
+        checks.fail("vectors.window", f"an array [B={batch}, T, {model.head_dim}]",
+                    None if vectors.window is None else f"shape {np.shape(vectors.window)}")
+    tokens = vectors.window.shape[1]
+    _float_field("vectors.window", vectors.window, (batch, tokens, model.head_dim))
+    check_queries(cache, ref, queries, batch, tokens)
+    specs = {s.name: s for s in cache.specs}
+    needed = {LayerKind.CSA: (("compressor", "csa"), ("index_compressor", "csa_index")),
+              LayerKind.HCA: (("compressor", "hca"),), LayerKind.SWA: ()}[ref.kind]
+    for field, name in needed:
+        spec = specs[name]
+        inp, p = getattr(vectors, field), getattr(params, field)
+        if inp is None or p is None:
+            checks.fail(f"vectors.{field} / params.{field}",
+                        f"the {name} compressor's inputs and params of a {ref.kind.name} layer",
+                        None)
+        _float_field(f"vectors.{field}.kv", inp.kv, (batch, tokens, spec.in_width))
+        _float_field(f"vectors.{field}.gate", inp.gate, (batch, tokens, spec.in_width))
+        _float_field(f"params.{field}.ape", p.ape, (spec.ratio, spec.in_width))
+        _float_field(f"params.{field}.norm", p.norm, (spec.width,))
+
+
 def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVectors,
                queries: Queries, params: LayerParams) -> tuple[Cache, jax.Array]:
     """Appends one layer's chunk and computes its attention for the chunk's queries.
@@ -250,12 +328,13 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
       n_new are padding).
     """
     model, geo = cache.model, cache.geometry
+    _check_layer_inputs(cache, plan, ref, vectors, queries, params)
     tokens = vectors.window.shape[1]
     W = model.window
     new_window = vectors.window
     if tokens > 1:
         # Prefill attends over the window as it was before the chunk: read it first.
-        old_ring = cache.state.window[ref.layer, plan.slot_ids]
+        old_ring = cache.state.window[ref.layer, _read_slots(cache, plan.slot_ids)]
         new_window = _after(new_window, old_ring)
     cache = _write_window(cache, plan, ref.layer[None], new_window[None])
     kind_layers = ref.kind_layer[None]
@@ -276,14 +355,14 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
         # Decode: the ring and the pools now hold the new token; read them like any decode.
         return cache, _decode_attention(cache, ref, queries, plan.slot_ids, plan.end)
 
-    page_rows = cache.pages.page_table[plan.slot_ids]
+    rows = page_rows(cache, plan.slot_ids)
     extended = jnp.concatenate(
         [_ordered_ring(old_ring, plan.start), vectors.window.astype(old_ring.dtype)], axis=1)
     q_pos = plan.positions(tokens)
     tile = min(geo.query_tile, tokens)
     n_tiles = -(-tokens // tile)
     if n_tiles == 1:
-        out = _attend_layer(cache, ref, page_rows, queries, q_pos, plan.end, extended,
+        out = _attend_layer(cache, ref, rows, queries, q_pos, plan.end, extended,
                             plan.start - W)
         return cache, out
 
@@ -299,7 +378,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
     def one_tile(args):
         i, q_tile, pos_tile = args
         keys = jax.lax.dynamic_slice_in_dim(extended, i * tile, W + tile, axis=1)
-        return _attend_layer(cache, ref, page_rows, q_tile.replace(sink=queries.sink),
+        return _attend_layer(cache, ref, rows, q_tile.replace(sink=queries.sink),
                              pos_tile, plan.end, keys, plan.start - W + i * tile)
 
     out = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
@@ -307,30 +386,39 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
     return cache, out[:, :tokens]
 
 
-def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array
-                     ) -> jax.Array:
+def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids) -> jax.Array:
     """Attention of each slot's LAST token, reading the cache after its append.
 
     Args:
       queries: `Queries` with T = 1.
-      slot_ids: i32[B].
+      slot_ids: i32[B]; concrete ids outside [0, max_slots) raise ValueError, inside a
+        caller's jit such a row reads nothing and its output is zeros.
 
     Returns:
       f32[B, 1, H, hd].
     """
-    return _decode_attention(cache, ref, queries, slot_ids, cache.state.lengths[slot_ids])
+    S = cache.geometry.max_slots
+    if checks.concrete(slot_ids):
+        checks.int_array("slot_ids", slot_ids, ndim=1, lo=0, hi=S - 1)
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    check_queries(cache, ref, queries, slot_ids.shape[0], 1)
+    inside = (slot_ids >= 0) & (slot_ids < S)
+    ids = jnp.where(inside, slot_ids, S)
+    length = jnp.where(inside, cache.state.lengths[_read_slots(cache, ids)], 0)
+    return _decode_attention(cache, ref, queries, ids, length)
 
 
 def _decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
                       length: jax.Array) -> jax.Array:
-    """Attention of the token at length - 1 of each slot, whose append is in the cache."""
+    """Attention of the token at length - 1 of each slot, whose append is in the cache.
+    slot_ids may hold max_slots for rows that read nothing (their length is 0)."""
     if ref.kind != LayerKind.SWA and ops.uses_kernels(cache.model, cache.geometry):
         return ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
                                     slot_ids, length - 1, length)
-    ring = cache.state.window[ref.layer, slot_ids]
-    page_rows = cache.pages.page_table[slot_ids]
-    return _attend_layer(cache, ref, page_rows, queries, (length - 1)[:, None], length,
-                         _ordered_ring(ring, length), length - cache.model.window)
+    ring = cache.state.window[ref.layer, _read_slots(cache, slot_ids)]
+    return _attend_layer(cache, ref, page_rows(cache, slot_ids), queries,
+                         (length - 1)[:, None], length, _ordered_ring(ring, length),
+                         length - cache.model.window)
 
 
 def append_and_attend(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
@@ -387,49 +475,93 @@ def append_and_attend(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
 # --- jitted entry points ---------------------------------------------------------------------
 
 
-def _expected_vector_shapes(cache: Cache, batch: int, tokens: int) -> dict[str, tuple]:
-    model = cache.model
-    shapes = {"window": (model.num_layers, batch, tokens, model.head_dim)}
-    for spec in cache.specs:
-        n = len(model.layers_of(spec.kind))
-        shapes[spec.name] = (n, batch, tokens, spec.in_width)
-    return shapes
+def _float_field(name: str, x, expected: tuple) -> None:
+    if x is None:
+        checks.fail(name, f"an array of shape {expected}", None)
+    checks.shape(name, x, expected)
+    checks.dtype_kind(name, x, "floating")
 
 
 def check_vectors(cache: Cache, vectors: TokenVectors, batch: int, tokens: int) -> None:
-    """Raises ValueError naming the field whose shape or dtype does not match the config."""
-    shapes = _expected_vector_shapes(cache, batch, tokens)
-    fields = {"window": vectors.window}
+    """Raises ValueError / TypeError naming the field whose shape or dtype does not match."""
+    model = cache.model
+    _float_field("vectors.window", vectors.window,
+                 (model.num_layers, batch, tokens, model.head_dim))
     for spec in cache.specs:
+        n = len(model.layers_of(spec.kind))
         inp = vectors.compressor(spec.name)
-        fields[f"{spec.name}.kv"] = inp.kv
-        fields[f"{spec.name}.gate"] = inp.gate
-    for name, x in fields.items():
-        expected = shapes[name.split(".")[0]]
-        if tuple(x.shape) != expected:
-            raise ValueError(f"vectors.{name} has shape {tuple(x.shape)}; expected {expected}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"vectors.{name} has dtype {x.dtype}; expected a float dtype")
+        for field in ("kv", "gate"):
+            _float_field(f"vectors.{spec.name}.{field}", getattr(inp, field),
+                         (n, batch, tokens, spec.in_width))
 
 
-def _check_slots(cache: Cache, slot_ids, n_new=None, tokens: int | None = None) -> None:
-    """Value checks, run only when the arguments are concrete (not inside a caller's jit)."""
-    if isinstance(slot_ids, jax.core.Tracer) or isinstance(n_new, jax.core.Tracer):
-        return
-    ids = np.asarray(slot_ids)
+def check_weights(cache: Cache, weights: CompressorWeights) -> None:
+    """Raises naming the compressor param whose shape does not match the config."""
+    model = cache.model
+    for spec in cache.specs:
+        n = len(model.layers_of(spec.kind))
+        params = getattr(weights, spec.name)
+        _float_field(f"weights.{spec.name}.ape", params.ape, (n, spec.ratio, spec.in_width))
+        _float_field(f"weights.{spec.name}.norm", params.norm, (n, spec.width))
+
+
+def check_queries(cache: Cache, ref: LayerRef | None, queries: Queries, batch: int,
+                  tokens: int) -> None:
+    """Raises naming the query field whose shape does not match (one layer's queries when
+    `ref` is given, else queries stacked over all layers as `forward` takes them)."""
+    model = cache.model
+    H, hd, nI, c = model.num_heads, model.head_dim, model.index_heads, model.index_head_dim
+    if ref is None:
+        lead, csa, sink = (model.num_layers,), (model.num_csa,), (model.num_layers, H)
+        needs_index = model.num_csa > 0
+    else:
+        lead, csa, sink = (), (), (H,)
+        needs_index = ref.kind == LayerKind.CSA
+    _float_field("queries.q", queries.q, (*lead, batch, tokens, H, hd))
+    _float_field("queries.sink", queries.sink, sink)
+    if needs_index:
+        _float_field("queries.index_q", queries.index_q, (*csa, batch, tokens, nI, c))
+        _float_field("queries.index_weights", queries.index_weights, (*csa, batch, tokens, nI))
+
+
+def _check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
+    """Concrete checks of one call's rows: distinct slots in range, n_new in [0, tokens],
+    and every slot that appends is ACTIVE."""
     S = cache.geometry.max_slots
-    if ids.ndim != 1:
-        raise ValueError(f"slot_ids must be 1-D; got shape {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= S):
-        raise ValueError(f"slot_ids={ids.tolist()} must lie in [0, max_slots={S})")
-    if len(set(ids.tolist())) != ids.size:
-        raise ValueError(f"slot_ids={ids.tolist()} must be distinct")
-    if n_new is not None:
-        n = np.asarray(n_new)
-        if n.shape != ids.shape:
-            raise ValueError(f"n_new has shape {n.shape}; expected {ids.shape} (one per slot)")
-        if n.size and (n.min() < 0 or n.max() > tokens):
-            raise ValueError(f"n_new={n.tolist()} must lie in [0, tokens={tokens}]")
+    ids = checks.slot_ids(slot_ids, S)
+    n = checks.int_array("n_new", n_new, ndim=1)
+    if n.shape != ids.shape:
+        checks.fail("n_new", f"shape {ids.shape} (one count per slot id)", f"shape {n.shape}")
+    if n.size and (n.min() < 0 or n.max() > tokens):
+        checks.fail("n_new", f"counts in [0, {tokens}] (the chunk length)", n)
+    status = np.asarray(cache.state.status)
+    for slot, count in zip(ids.tolist(), n.tolist(), strict=True):
+        st = SlotStatus(int(status[slot]))
+        if count > 0 and st != SlotStatus.ACTIVE:
+            hint = ("reset_slot it first" if st == SlotStatus.FREE
+                    else "pools.clear_flags it once the cause is fixed")
+            checks.fail("slot_ids", f"ACTIVE slots for rows that append ({hint})",
+                        f"slot {slot} {st.name}")
+
+
+def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids,
+                n_new) -> int:
+    """Checks of the eager entry points; returns the chunk length T."""
+    if not isinstance(cache, Cache):
+        checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
+    window = vectors.window
+    if window is None or np.ndim(window) != 4:
+        checks.fail("vectors.window", "an array [n_layers, B, T, head_dim]",
+                    None if window is None else f"shape {np.shape(window)}")
+    tokens = window.shape[2]
+    if tokens < 1:
+        checks.fail("vectors", "a chunk of at least one token (T >= 1)", f"T={tokens}")
+    batch = np.shape(slot_ids)[0] if np.ndim(slot_ids) else -1
+    check_vectors(cache, vectors, batch, tokens)
+    check_weights(cache, weights)
+    if checks.concrete(slot_ids, n_new):
+        _check_rows(cache, slot_ids, n_new, tokens)
+    return tokens
 
 
 def _append_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
@@ -461,9 +593,8 @@ def forward(cache: Cache, vectors: TokenVectors, queries: Queries, weights: Comp
     Returns:
       (cache, f32[n_layers, B, T, H, hd]) attention outputs before the output projection.
     """
-    tokens = vectors.window.shape[2]
-    check_vectors(cache, vectors, len(slot_ids), tokens)
-    _check_slots(cache, slot_ids, n_new, tokens)
+    tokens = _check_call(cache, vectors, weights, slot_ids, n_new)
+    check_queries(cache, None, queries, len(slot_ids), tokens)
     return _append_attend_all_jit(cache, vectors, queries, weights,
                                   jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32))
 
@@ -482,9 +613,7 @@ def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       slot_ids: i32[B] distinct slots.
       n_new: i32[B] tokens of each row to append (the rest of the row is padding).
     """
-    tokens = vectors.window.shape[2]
-    check_vectors(cache, vectors, len(slot_ids), tokens)
-    _check_slots(cache, slot_ids, n_new, tokens)
+    _check_call(cache, vectors, weights, slot_ids, n_new)
     return _append_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
                            jnp.asarray(n_new, jnp.int32))
 
@@ -500,13 +629,14 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       active: bool[max_slots]; default: every slot whose status is ACTIVE.
     """
     S = cache.geometry.max_slots
-    check_vectors(cache, vectors, S, 1)
     if active is None:
         active = cache.state.status == SlotStatus.ACTIVE
-    elif not isinstance(active, jax.core.Tracer) and np.shape(active) != (S,):
-        raise ValueError(f"active has shape {np.shape(active)}; expected ({S},)")
-    return _append_all_jit(cache, vectors, weights, jnp.arange(S, dtype=jnp.int32),
-                           jnp.asarray(active, jnp.int32))
+    elif checks.concrete(active):
+        checks.shape("active", active, (S,))
+        checks.dtype_kind("active", active, "bool")
+    n_new = jnp.asarray(active, jnp.int32)
+    _check_call(cache, vectors, weights, np.arange(S, dtype=np.int32), n_new)
+    return _append_all_jit(cache, vectors, weights, jnp.arange(S, dtype=jnp.int32), n_new)
 
 
 __all__ = [

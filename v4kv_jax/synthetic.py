@@ -196,3 +196,65 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
         num_free=jnp.asarray(geometry.num_pages - used, jnp.int32),
         refcount=jnp.asarray(refcount))
     return cache.replace(classical=classical, state=state, pages=pages)
+
+
+def owned_masks(cache: Cache) -> dict[str, np.ndarray]:
+    """What live requests own, as bool masks shaped like the cache's storage arrays.
+
+    A slot is live unless FREE. It owns, per layer: the window rows of its last
+    min(length, W) positions; the tail rows of its open block (and, with overlap, of the
+    complete block before it); and in the Classical pool the rows of its complete entries
+    (entry i < length // m) in the pages of its page-table row. Everything else is memory no
+    request may read.
+
+    Returns:
+      {"window", "<compressor>_tail", "<compressor>_entries"} -> bool masks broadcastable to
+      those arrays ([1, S, W, 1], [1, S, ring, 1], [1, pages, P // m, 1]).
+    """
+    geo = cache.geometry
+    lengths = np.asarray(cache.state.lengths, np.int64)
+    live = np.asarray(cache.state.status) != SlotStatus.FREE
+    table = np.asarray(cache.pages.page_table)
+    S, W = geo.max_slots, cache.model.window
+    masks = {"window": np.zeros((1, S, W, 1), bool)}
+    for s in np.flatnonzero(live):
+        n = lengths[s]
+        masks["window"][0, s, np.arange(max(0, n - W), n) % W] = True
+    for spec in cache.specs:
+        m, epp = spec.ratio, geo.entries_per_page(spec.ratio)
+        tail = np.zeros((1, S, spec.ring, 1), bool)
+        entries = np.zeros((1, geo.num_pages, epp, 1), bool)
+        for s in np.flatnonzero(live):
+            n = lengths[s]
+            first = (n // m - (1 if spec.overlap else 0)) * m
+            tail[0, s, np.arange(max(0, first), n) % spec.ring] = True
+            count = n // m
+            for col, page in enumerate(table[s]):
+                if page >= 0:
+                    rows = np.arange(epp)
+                    entries[0, page] |= (col * epp + rows < count)[:, None]
+        masks[f"{spec.name}_tail"] = tail
+        masks[f"{spec.name}_entries"] = entries
+    return masks
+
+
+def poison_unowned(cache: Cache, value: float = float("nan")) -> Cache:
+    """The cache with every storage row no live request owns set to `value` (`owned_masks`).
+
+    Outputs and states of live requests must not change by a single bit: a read that is
+    not masked with `where` (0 * NaN = NaN) or that reaches another request's rows shows up.
+    """
+    masks = owned_masks(cache)
+
+    def fill(x, mask):
+        return jnp.where(jnp.asarray(mask), x, jnp.asarray(value, x.dtype))
+
+    classical = cache.classical
+    for spec in cache.specs:
+        classical = classical.with_entries(
+            spec.name, fill(classical.entries(spec.name), masks[f"{spec.name}_entries"]))
+    state = cache.state.replace(
+        window=fill(cache.state.window, masks["window"]),
+        **{s.name: jax.tree.map(lambda x, s=s: fill(x, masks[f"{s.name}_tail"]),
+                                cache.state.tail(s.name)) for s in cache.specs})
+    return cache.replace(classical=classical, state=state)

@@ -1,0 +1,138 @@
+"""No request reads or writes another's data: poison tests.
+
+Every storage row that no live request owns (free pages, rows past a request's entries in a
+partly filled page, FREE slots, window rows before a slot has W tokens, tail rows outside the
+open block) is filled with NaN, then with 1e30, after EVERY operation; outputs and the owned
+state of every live request must be bit-identical to a run without poison. A read masked by
+multiplying instead of `where` (0 * NaN = NaN), or a read of another request's rows, shows up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import v4kv_jax as v4
+from v4kv_jax import step, synthetic
+
+from conftest import GEOMETRY, MODEL, positions
+
+POISONS = {"none": None, "nan": float("nan"), "huge": 1e30}
+
+
+def _poisoner(value):
+    if value is None:
+        return lambda cache: cache
+    return lambda cache: synthetic.poison_unowned(cache, value)
+
+
+def owned_state(cache) -> dict[str, np.ndarray]:
+    """Every storage array with the rows no live request owns zeroed, plus the bookkeeping."""
+    masks = synthetic.owned_masks(cache)
+    out = {
+        "window": np.where(masks["window"], np.asarray(cache.state.window), 0),
+        "lengths": np.asarray(cache.state.lengths),
+        "status": np.asarray(cache.state.status),
+        "page_table": np.asarray(cache.pages.page_table),
+        "refcount": np.asarray(cache.pages.refcount),
+    }
+    for spec in cache.specs:
+        tail = cache.state.tail(spec.name)
+        for field in ("kv", "gate"):
+            out[f"{spec.name}.{field}"] = np.where(masks[f"{spec.name}_tail"],
+                                                   np.asarray(getattr(tail, field)), 0)
+        out[f"{spec.name}.entries"] = np.where(masks[f"{spec.name}_entries"],
+                                               np.asarray(cache.classical.entries(spec.name)), 0)
+    return out
+
+
+def core_scenario(poison, geometry=GEOMETRY, rounds=(4, 3, 2)):
+    """Two requests prefill ragged chunks, one is released and its slot and pages go to a
+    third request, then all decode. Returns every call's outputs and the final owned state."""
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, 300, seed=1)
+    done = np.zeros(3, np.int64)
+    outs = []
+    cache = poison(v4.init_cache(MODEL, geometry))
+
+    def call(cache, rows, slots, counts, chunk):
+        pos = positions(done[rows], chunk)
+        cache, o = step.forward(cache, data.take(pos, rows), data.stacked_queries(pos, rows),
+                                data.weights, slots, counts)
+        done[rows] += counts
+        outs.append(np.asarray(o))
+        return poison(cache)
+
+    for s in (0, 1):
+        cache = poison(v4.reset_slot(cache, s))
+    for _ in range(rounds[0]):
+        cache = call(cache, np.array([0, 1]), np.array([0, 1]), np.array([32, 21]), 32)
+    cache = poison(v4.release_slot(cache, 0))
+    cache = poison(v4.reset_slot(cache, 0))
+    for _ in range(rounds[1]):
+        cache = call(cache, np.array([2, 1]), np.array([0, 1]), np.array([29, 32]), 32)
+    for _ in range(rounds[2]):
+        cache = call(cache, np.array([2, 1]), np.array([0, 1]), np.array([1, 1]), 1)
+    return outs, owned_state(cache)
+
+
+def assert_runs_identical(clean, poisoned):
+    outs_a, state_a = clean
+    outs_b, state_b = poisoned
+    assert len(outs_a) == len(outs_b)
+    for i, (a, b) in enumerate(zip(outs_a, outs_b, strict=True)):
+        assert not np.isnan(b).any(), f"call {i}: NaN reached an output"
+        np.testing.assert_array_equal(a, b, err_msg=f"call {i}")
+    for name in state_a:
+        np.testing.assert_array_equal(state_a[name], state_b[name], err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def clean_reference_run():
+    return core_scenario(_poisoner(None))
+
+
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_reference_prefill_and_decode_never_read_unowned_rows(clean_reference_run, poison):
+    assert_runs_identical(clean_reference_run, core_scenario(_poisoner(POISONS[poison])))
+
+
+def test_poison_reaches_every_unowned_row():
+    cache = v4.reset_slot(v4.init_cache(MODEL, GEOMETRY), 0)
+    data = synthetic.SyntheticBatch.draw(MODEL, 1, 40, seed=0)
+    cache = v4.prefill(cache, data.span(0, 32), data.weights, [0], [30])
+    cache = synthetic.poison_unowned(cache)
+    # 30 tokens: window rows 0..29 of 16 are all owned; 7 C4 entries, 1 C128 entry (m' = 16).
+    assert not np.isnan(np.asarray(cache.state.window[:, 0])).any()
+    assert np.isnan(np.asarray(cache.state.window[:, 1:])).all()
+    page = int(cache.pages.page_table[0, 0])
+    c4 = np.asarray(cache.classical.c4[:, page])
+    assert not np.isnan(c4[:, :7]).any() and np.isnan(c4[:, 7:]).all()
+    c128 = np.asarray(cache.classical.c128[:, page])
+    assert not np.isnan(c128[:, :1]).any() and np.isnan(c128[:, 1:]).all()
+    others = np.delete(np.arange(GEOMETRY.num_pages), page)
+    assert np.isnan(np.asarray(cache.classical.c4[:, others])).all()
+    # HCA tail ring (16 rows): positions 16..29 are the open block, rows 30 % 16.. are stale.
+    hca = np.asarray(cache.state.hca.kv[:, 0])
+    open_rows = np.arange(16, 30) % 16
+    assert not np.isnan(hca[:, open_rows]).any()
+    assert np.isnan(np.delete(hca, open_rows, axis=1)).all()
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_kernels_in_interpret_mode_never_read_unowned_rows(implementation):
+    geometry = dataclasses.replace(GEOMETRY, kernels=implementation, interpret_kernels=True)
+    rounds = (1, 2, 1)
+    clean = core_scenario(_poisoner(None), geometry, rounds)
+    assert_runs_identical(clean, core_scenario(_poisoner(POISONS["nan"]), geometry, rounds))
+
+
+def test_reference_and_kernels_agree_on_the_poisoned_scenario():
+    """The kernel scenario above is the reference's too (so it exercises real values)."""
+    rounds = (1, 2, 1)
+    ref_outs, _ = core_scenario(_poisoner(None), GEOMETRY, rounds)
+    geometry = dataclasses.replace(GEOMETRY, kernels="pallas_gpu", interpret_kernels=True)
+    gpu_outs, _ = core_scenario(_poisoner(POISONS["nan"]), geometry, rounds)
+    for a, b in zip(ref_outs, gpu_outs, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
