@@ -74,3 +74,19 @@ def test_entry_pages_maps_entries_to_page_and_row():
     page, row = paging.entry_pages(rows, jnp.asarray([[0, 31, 32, 63, 64, -1, 200]]), 32)
     assert np.asarray(page).tolist() == [[7, 7, 3, 3, -1, -1, -1]]
     assert np.asarray(row)[0, :5].tolist() == [0, 31, 0, 31, 0]
+
+
+def test_fold_page_chunks_hands_each_step_its_pages_and_first_entry():
+    # 5 pages of 32 entries, 2 pages per step; the longer row needs 150 entries: 3 steps,
+    # starting at entries 0, 64 and 128, the last one padded with a -1 page.
+    rows = jnp.asarray([[10, 11, 12, 13, 14], [20, 21, -1, -1, -1]], jnp.int32)
+
+    def body(seen, ids, first):
+        step = jnp.sum(seen[1] >= 0)
+        return (seen[0].at[step].set(ids), seen[1].at[step].set(first))
+
+    init = (jnp.full((4, 2, 2), -9, jnp.int32), jnp.full((4,), -1, jnp.int32))
+    ids, firsts = paging.fold_page_chunks(rows, jnp.asarray([150, 40]), 32, 2, body, init)
+    assert np.asarray(firsts).tolist() == [0, 64, 128, -1]
+    assert np.asarray(ids).tolist()[:3] == [[[10, 11], [20, 21]], [[12, 13], [-1, -1]],
+                                           [[14, -1], [-1, -1]]]
