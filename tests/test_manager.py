@@ -57,17 +57,45 @@ def test_exhaustion_raises_and_leaves_other_requests_bit_identical():
     assert mgr.lengths() == {"b": 130}
 
 
-def test_exhaustion_in_a_batched_decode_only_skips_the_starved_request():
+def test_exhaustion_in_a_batched_decode_appends_nothing_for_any_request():
     mgr = _manager(num_pages=2, max_slots=2)
     data = synthetic.SyntheticBatch.draw(MODEL, 2, 260, seed=2)
     mgr.admit("a")
     mgr.admit("b")
     _feed(mgr, data, "a", 0, 0, 127)
     _feed(mgr, data, "b", 1, 0, 128)
-    # Next token: "a" stays in its page, "b" needs a new one and none is left.
-    with pytest.raises(PoolExhaustedError, match="request 'b' needs 1 page"):
-        mgr.decode(data.take(np.asarray([127, 128])))
+    before = jax.tree.map(np.asarray, mgr.cache)
+    # Next token: "a" stays in its page, "b" needs a new one and none is left. The call is
+    # all or nothing: "a" does not advance either, so repeating it never appends twice.
+    with pytest.raises(PoolExhaustedError, match="request 'b' needs 1 page.*Nothing was "
+                                                 "appended for any request"):
+        mgr.decode(data.take(np.asarray([127, 128])), queries=data.stacked_queries(
+            np.asarray([127, 128])))
+    assert mgr.lengths() == {"a": 127, "b": 128}
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(mgr.cache), strict=True):
+        np.testing.assert_array_equal(x, y)
+    # Without "b" the same step goes through, once.
+    out = mgr.decode(data.take(np.asarray([127, 128])), requests=["a"],
+                     queries=data.stacked_queries(np.asarray([127, 128])))
     assert mgr.lengths() == {"a": 128, "b": 128}
+    assert np.isfinite(np.asarray(out)[:, 0]).all()
+
+
+def test_call_arguments_are_checked_before_anything_runs():
+    mgr = _manager()
+    mgr.admit("a")
+    data = synthetic.SyntheticBatch.draw(MODEL, 2, 40, seed=0)
+    pos = positions([0, 0], CHUNK)
+    with pytest.raises(ValueError, match=r"n_new: expected 1 counts \(one per request\); "
+                                         r"got 2 counts"):
+        mgr.prefill(["a"], data.take(pos[:1], [0]), [3, 4])
+    with pytest.raises(ValueError, match=r"requests: expected distinct requests"):
+        mgr.prefill(["a", "a"], data.take(pos, [0, 1]), [3, 4])
+    with pytest.raises(ValueError, match=r"n_new: expected values >= 0; got \[-1\]"):
+        mgr.prefill(["a"], data.take(pos[:1], [0]), [-1])
+    with pytest.raises(TypeError, match=r"n_new: expected integers; got \[1.5\]"):
+        mgr.prefill(["a"], data.take(pos[:1], [0]), [1.5])
+    assert mgr.lengths() == {"a": 0}
 
 
 def test_reused_slot_gives_the_same_result_as_a_fresh_pool():

@@ -151,7 +151,7 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
     S = geo.max_slots
     tokens = checks.integer("tokens", tokens, lo=1)
     if checks.concrete(slot_ids, n_new):
-        _check_rows(cache, slot_ids, n_new, tokens)
+        check_rows(cache, slot_ids, n_new, tokens)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     n_new = jnp.asarray(n_new, jnp.int32)
     in_range = (slot_ids >= 0) & (slot_ids < S)
@@ -524,7 +524,7 @@ def check_queries(cache: Cache, ref: LayerRef | None, queries: Queries, batch: i
         _float_field("queries.index_weights", queries.index_weights, (*csa, batch, tokens, nI))
 
 
-def _check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
+def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
     """Concrete checks of one call's rows: distinct slots in range, n_new in [0, tokens],
     and every slot that appends is ACTIVE."""
     S = cache.geometry.max_slots
@@ -560,7 +560,7 @@ def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
     check_vectors(cache, vectors, batch, tokens)
     check_weights(cache, weights)
     if checks.concrete(slot_ids, n_new):
-        _check_rows(cache, slot_ids, n_new, tokens)
+        check_rows(cache, slot_ids, n_new, tokens)
     return tokens
 
 
@@ -641,6 +641,7 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
 
 __all__ = [
     "AppendPlan", "LayerParams", "LayerRef", "LayerVectors", "TokenVectors",
-    "append_and_attend", "append_layers", "begin_append", "check_vectors", "decode_attention",
-    "decode_step", "end_append", "forward", "layer_step", "prefill",
+    "append_and_attend", "append_layers", "begin_append", "check_queries", "check_rows",
+    "check_vectors", "check_weights", "decode_attention", "decode_step", "end_append",
+    "forward", "layer_step", "page_rows", "prefill",
 ]

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v4kv_jax import pools
+from v4kv_jax import checks, pools
 from v4kv_jax.config import CacheConfig
-from v4kv_jax.nn.model import Decoder
+from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
 
 
@@ -130,9 +130,13 @@ class Generator:
 
     def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
                  max_new_tokens: int, prefill_chunk: int = 128):
-        if min(max_prompt_len, max_new_tokens, prefill_chunk) <= 0:
-            raise ValueError(f"max_prompt_len={max_prompt_len}, max_new_tokens={max_new_tokens} "
-                             f"and prefill_chunk={prefill_chunk} must be positive")
+        if not isinstance(model, Decoder):
+            checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
+        if not isinstance(geometry, CacheConfig):
+            checks.fail("geometry", "a CacheConfig", type(geometry).__name__, TypeError)
+        max_prompt_len = checks.integer("max_prompt_len", max_prompt_len, lo=1)
+        max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
+        prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
         need = max_prompt_len + max_new_tokens
         if need > geometry.max_seq_len:
             raise ValueError(f"max_prompt_len + max_new_tokens = {need} exceeds the cache's "
@@ -155,23 +159,33 @@ class Generator:
 
         Args:
           prompts: token ids per prompt.
-          temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
-          seed: the sampling seed.
-          eos_id: a token that ends a row (it is included in the row's output).
+          temperature: 0 = greedy; > 0 samples from softmax(logits / temperature); a negative
+            or non-finite value raises ValueError.
+          seed: the sampling seed (an int).
+          eos_id: a token id in [0, vocab_size) that ends a row (it is included in the row's
+            output).
+
+        Raises:
+          TypeError / ValueError naming the argument for bad prompts (not integer token ids,
+          ids outside [0, vocab_size), empty or longer than max_prompt_len) or settings.
         """
         batch = self.geometry.max_slots
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
         if not 1 <= len(prompts) <= batch:
-            raise ValueError(f"got {len(prompts)} prompts; the cache has max_slots={batch}")
+            checks.fail("prompts", f"1 to {batch} prompts (max_slots)", f"{len(prompts)} prompts")
+        temperature = checks.real("temperature", temperature, lo=0.0)
+        seed = checks.integer("seed", seed)
         V = self.config.vocab_size
+        if eos_id is not None:
+            eos_id = checks.integer("eos_id", eos_id, lo=0, hi=V - 1)
         buf = np.zeros((batch, self.buffer), np.int32)
         lengths = np.zeros((batch,), np.int32)
         for b, p in enumerate(prompts):
-            p = np.asarray(p, np.int64).reshape(-1)
+            p = checks.int_array(f"prompts[{b}]", p, ndim=1, lo=0, hi=V - 1)
             if not 1 <= p.size <= self.max_prompt_len:
-                raise ValueError(f"prompt {b} has {p.size} tokens; expected 1.."
-                                 f"{self.max_prompt_len} (max_prompt_len)")
-            if p.min() < 0 or p.max() >= V:
-                raise ValueError(f"prompt {b} holds token ids outside [0, vocab_size={V})")
+                checks.fail(f"prompts[{b}]", f"1 to {self.max_prompt_len} tokens "
+                            "(max_prompt_len)", f"{p.size} tokens")
             buf[b, :p.size] = p
             lengths[b] = p.size
         self.cache, out = self._run(buf, lengths, temperature, seed, eos_id)
@@ -203,10 +217,35 @@ class Generator:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def forward(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
-            n_new: jax.Array) -> tuple[Cache, jax.Array]:
+def _forward(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
+             n_new: jax.Array) -> tuple[Cache, jax.Array]:
+    return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new)
+
+
+def forward(graphdef, params, cache: Cache, tokens, slot_ids, n_new
+            ) -> tuple[Cache, jax.Array]:
     """One jitted model call (prefill chunk or decode step): (cache, logits f32[B, T, V]).
 
-    `graphdef, params = nnx.split(model)` once; the cache is donated.
+    `graphdef, params = nnx.split(model)` once; the cache is donated. Concrete arguments are
+    checked first (`model.check_chunk`): distinct ACTIVE slots in [0, max_slots), n_new in
+    [0, T], token ids in [0, vocab_size). Called inside a caller's jit, the device-side rules
+    of `step.begin_append` hold instead.
     """
-    return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new)
+    config = _config_of(graphdef, params)
+    check_chunk(config, cache, tokens, slot_ids, n_new)
+    return _forward(graphdef, params, cache, jnp.asarray(tokens),
+                    jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32))
+
+
+_CONFIGS: dict = {}
+
+
+def _config_of(graphdef, params) -> ModelConfig:
+    """The ModelConfig of a split Decoder (one merge per graphdef, then remembered)."""
+    if graphdef not in _CONFIGS:
+        model = nnx.merge(graphdef, params)
+        if not isinstance(model, Decoder):
+            checks.fail("graphdef", "the graphdef of a split v4kv_jax.nn.Decoder",
+                        type(model).__name__, TypeError)
+        _CONFIGS[graphdef] = model.config
+    return _CONFIGS[graphdef]

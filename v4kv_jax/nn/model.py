@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v4kv_jax import step
+from v4kv_jax import checks, step
 from v4kv_jax.compressor import rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind
 from v4kv_jax.interop import convert, names
@@ -100,6 +100,36 @@ def layer_groups(kinds, max_period: int = 4) -> tuple[LayerGroup, ...]:
     return tuple(groups)
 
 
+def check_chunk(config: ModelConfig, cache: Cache, tokens, slot_ids, n_new) -> None:
+    """Checks of one model call: token ids [B, T] of an integer dtype, a cache of the model's
+    attention config, and (when concrete) slots, counts and token ids in [0, vocab_size).
+    Raises TypeError / ValueError naming the argument, the expected and the actual value."""
+    if not isinstance(cache, Cache):
+        checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
+    if cache.model != config.attention:
+        checks.fail("cache", "a cache built for the model's attention config",
+                    "a cache of another AttentionConfig")
+    checks.dtype_kind("tokens", tokens, "integer")
+    if np.ndim(tokens) != 2 or np.shape(tokens)[1] < 1:
+        checks.fail("tokens", "token ids of shape [B, T] with T >= 1",
+                    f"shape {tuple(np.shape(tokens))}")
+    batch = np.shape(tokens)[0]
+    for name, x in (("slot_ids", slot_ids), ("n_new", n_new)):
+        if np.shape(x) != (batch,):
+            checks.fail(name, f"shape ({batch},) (one per row of tokens)",
+                        f"shape {np.shape(x)}")
+    if not checks.concrete(tokens, slot_ids, n_new):
+        return
+    step.check_rows(cache, slot_ids, n_new, np.shape(tokens)[1])
+    ids = np.asarray(tokens)
+    given = np.arange(ids.shape[1])[None, :] < np.asarray(n_new)[:, None]
+    bad = given & ((ids < 0) | (ids >= config.vocab_size))
+    if bad.any():
+        b, t = np.argwhere(bad)[0]
+        checks.fail("tokens", f"token ids in [0, {config.vocab_size}) (vocab_size)",
+                    f"{int(ids[b, t])} at row {b}, position {t}")
+
+
 class MLP(nnx.Module):
     """Dense SwiGLU: down_proj(silu(gate_proj x) * up_proj x); weights [out, in]."""
 
@@ -113,7 +143,7 @@ class MLP(nnx.Module):
         self.down_proj = w(hidden, width)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = jax.nn.silu(linear(x, self.gate_proj[...])) * linear(x, self.up_proj[...])
+        h = linear(x, self.gate_proj[...]) * jax.nn.silu(linear(x, self.up_proj[...]))
         return linear(h, self.down_proj[...])
 
 
@@ -233,12 +263,14 @@ class Decoder(nnx.Module):
           (cache, f32[B, T, D]); a slot that could not get its pages appends nothing and is
           flagged in `cache.state.status` (see `v4kv_jax.pools.SlotStatus`).
         """
-        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens has shape {tuple(tokens.shape)} and dtype {tokens.dtype}; "
-                             "expected integer token ids [B, T]")
-        if cache.model != self.config.attention:
-            raise ValueError("the cache was built for another attention config than the model's")
-        cache, plan = step.begin_append(cache, slot_ids, n_new, tokens.shape[1])
+        check_chunk(self.config, cache, tokens, slot_ids, n_new)
+        # Inside jit, a row holding a token id outside the vocabulary is rejected (nothing
+        # appended, slot flagged REJECTED) instead of reading a clamped embedding row.
+        V = self.config.vocab_size
+        n_new = jnp.asarray(n_new, jnp.int32)
+        given = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
+        outside = jnp.any(given & ((tokens < 0) | (tokens >= V)), axis=1)
+        cache, plan = step.begin_append(cache, slot_ids, n_new, tokens.shape[1], reject=outside)
         x = self.embed[...][tokens].astype(jnp.float32)
         cache, x = self.layers(x, cache, plan)
         cache = step.end_append(cache, plan)
