@@ -1,6 +1,8 @@
 import os
 import re
 
+import pytest
+
 from v4kv_jax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,3 +30,36 @@ def test_ci_runs_the_readme_test_command():
     assert "v4kv demo" in blocks[0]
     assert "pytest" in blocks[1]
     assert blocks[1] in open(os.path.join(ROOT, ".ci", "run")).read()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--chunk", "0"], "argument --chunk: expected an integer >= 1; got '0'"),
+    (["demo", "--chunk", "-8"], "argument --chunk: expected an integer >= 1; got '-8'"),
+    (["demo", "--lengths", "64", "0"], "argument --lengths: expected an integer >= 1; got '0'"),
+    (["demo", "--lengths", "-5"], "argument --lengths: expected an integer >= 1; got '-5'"),
+    (["demo", "--pages", "0"], "argument --pages: expected an integer >= 1; got '0'"),
+    (["demo", "--decode-steps", "-1"],
+     "argument --decode-steps: expected an integer >= 0; got '-1'"),
+    (["demo", "--new-tokens", "0"], "argument --new-tokens: expected an integer >= 1; got '0'"),
+    (["demo", "--vocab", "0"], "argument --vocab: expected an integer >= 1; got '0'"),
+    (["demo", "--seed", "1.5"],
+     "argument --seed: expected an integer in [0, 4294967295]; got '1.5'"),
+    (["demo", "--seed", "-1"], "argument --seed: expected an integer in [0, 4294967295]; "
+                               "got '-1'"),
+    (["demo", "--seed", "abc"], "argument --seed: expected an integer in [0, 4294967295]; "
+                                "got 'abc'"),
+    (["demo", "--lengths", "200", "40", "--decode-steps", "3", "--pages", "2"],
+     "argument --pages: expected at least 3 (pages of 128 tokens that prompts of [200, 40] "
+     "tokens need with --decode-steps 3 and --new-tokens 32); got 2"),
+    (["demo", "--lengths", "120", "--decode-steps", "9", "--new-tokens", "8", "--pages", "1"],
+     "argument --pages: expected at least 2 "),
+    (["memory", "--tokens", "-5"], "argument --tokens: expected an integer >= 1; got '-5'"),
+    (["memory", "--tokens", "0"], "argument --tokens: expected an integer >= 1; got '0'"),
+    (["memory", "--tokens", "1e6"], "argument --tokens: expected an integer >= 1; got '1e6'"),
+])
+def test_nonsensical_options_are_rejected_by_name(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"v4kv {argv[0]}: error: {message}" in err, err

@@ -42,7 +42,7 @@ def demo(args) -> int:
     model = cfg.AttentionConfig(**DEMO_MODEL)
     lengths = np.asarray(args.lengths)
     total = lengths + args.decode_steps
-    chunk = args.chunk
+    chunk = min(args.chunk, int(lengths.max()))  # a longer chunk would only add padding
     geometry = cfg.CacheConfig(num_pages=args.pages, max_slots=len(lengths),
                                max_pages_per_seq=-(-int(total.max()) // 128))
     kinds = ", ".join(f"{k.name} x{len(model.layers_of(k))}" for k in cfg.LayerKind)
@@ -192,27 +192,63 @@ def memory(args) -> int:
     return 0
 
 
+def _int_option(lo: int, hi: int | None = None):
+    """An argparse `type` for an integer option in [lo, hi]; argparse prefixes its error with
+    the option's name: `argument --chunk: expected an integer >= 1; got '0'`."""
+    expected = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {expected}; got {text!r}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _demo_problem(args) -> str | None:
+    """What is wrong with a combination of `v4kv demo` options (each one alone is valid)."""
+    page_tokens = cfg.CacheConfig(num_pages=1, max_slots=1, max_pages_per_seq=1).page_tokens
+    lengths = np.asarray(args.lengths)
+    need = max(int(np.sum(-(-(lengths + extra) // page_tokens)))
+               for extra in (args.decode_steps, args.new_tokens))
+    if args.pages < need:
+        return (f"argument --pages: expected at least {need} (pages of {page_tokens} tokens "
+                f"that prompts of {lengths.tolist()} tokens need with --decode-steps "
+                f"{args.decode_steps} and --new-tokens {args.new_tokens}); got {args.pages}")
+    return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="v4kv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    positive, count = _int_option(1), _int_option(0)
     p = sub.add_parser("demo", help="prefill + decode a ragged batch and check it")
-    p.add_argument("--lengths", type=int, nargs="+", default=[700, 384, 129, 37],
+    p.add_argument("--lengths", type=positive, nargs="+", default=[700, 384, 129, 37],
                    help="prompt lengths of the requests")
-    p.add_argument("--decode-steps", type=int, default=24)
-    p.add_argument("--chunk", type=int, default=128, help="prefill chunk (tokens per call)")
-    p.add_argument("--pages", type=int, default=64, help="pages in the Classical pool")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--vocab", type=int, default=512, help="vocabulary of the Flax decoder")
+    p.add_argument("--decode-steps", type=count, default=24,
+                   help="decode steps after the prefill (0: prefill only)")
+    p.add_argument("--chunk", type=positive, default=128, help="prefill chunk (tokens per call)")
+    p.add_argument("--pages", type=positive, default=64, help="pages in the Classical pool")
+    p.add_argument("--seed", type=_int_option(0, 2**32 - 1), default=0)
+    p.add_argument("--new-tokens", type=positive, default=32, help="tokens generated per prompt")
+    p.add_argument("--vocab", type=positive, default=512, help="vocabulary of the Flax decoder")
     p.add_argument("--unroll", action="store_true",
                    help="unroll the decoder's layers instead of scanning over layer groups")
-    p.set_defaults(run=demo)
+    p.set_defaults(run=demo, problem=_demo_problem, parser=p)
     p = sub.add_parser("memory", help="cache cost of a preset at a context length")
     p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash")
-    p.add_argument("--tokens", type=int, default=1 << 20)
+    p.add_argument("--tokens", type=positive, default=1 << 20)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    p.set_defaults(run=memory)
+    p.set_defaults(run=memory, problem=lambda args: None, parser=p)
     args = parser.parse_args(argv)
+    problem = args.problem(args)
+    if problem:
+        args.parser.error(problem)
     return args.run(args)
 
 
