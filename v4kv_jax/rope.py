@@ -2,7 +2,31 @@
 
 Pair i is dims (2i, 2i+1) of the rotated slice. SWA layers use `rope_theta` without YaRN;
 CSA and HCA layers use `compress_rope_theta` with YaRN for every rotation in the layer.
-Frequencies are built in fp32 the way the executable reference builds them (SPEC pitfall 11).
+
+The frequency tables repeat, operation by operation in fp32, what transformers 5.23.0's
+`DeepseekV4RotaryEmbedding` (and the YaRN code of `modeling_rope_utils` it calls) computes,
+so that the angles `p * f_i` match the reference's bit for bit and their rounding does not
+grow with p (SPEC pitfall 11):
+
+  powers = f32(theta) ** (arange(0, r, 2) / r)     one C-library `powf` per pair
+  f      = 1 / powers                              the SWA table
+  YaRN:  keep = 1 - gamma,  f <- (1 / (s * powers)) * (1 - keep) + f * keep
+
+Every step but the power is an IEEE fp32 operation, identical in numpy and torch. The power is
+where implementations differ: numpy's float32 *array* power may run SIMD code of its own (SVML
+on AVX-512 builds: 1 to 4 ulp away from torch in the final tables), so each power here is a float32
+*scalar* power, which calls the C library's `powf`. torch's CPU `pow` calls that same `powf`
+for the pairs outside its SIMD blocks and Sleef's `powf` (within 1 ulp, not correctly rounded)
+inside them: the first 32 * (r // 64) pairs with AVX-512, the first 16 * (r // 32) with AVX2,
+none without SIMD (ATEN_CPU_CAPABILITY=default). Measured against transformers on an
+AVX-512 machine:
+  - V4-Flash and V4-Pro (r = 64, theta 10000 and 160000, YaRN 16 / 65536 / 32 / 1): equal, bit
+    for bit, with AVX-512, AVX2 and without SIMD;
+  - pairs outside torch's Sleef blocks (with AVX-512, every pair when r < 64): equal;
+  - pairs inside them: over thetas 1e3..1e7 and r = 8..256 (2.5M powers), 1.4% of the powers
+    are 1 ulp away from Sleef's; with the YaRN settings of tests/test_rope_parity.py, 1.3% of
+    the frequencies then differ, by at most 3.0e-7 relative (1 to 4 ulp), so their angles by
+    at most p * f_i * 3e-7. Matching those would mean re-implementing Sleef's `powf`.
 """
 
 from __future__ import annotations
@@ -40,27 +64,37 @@ def yarn_ramp(rope_dim: int, theta: float, original_max_position: int, beta_fast
     return np.clip(ramp, 0, 1).astype(np.float32)
 
 
+def _theta_powers(theta: float, rope_dim: int) -> np.ndarray:
+    """f32[rope_dim // 2]: f32(theta) ** f32(2i / r), each rounded by the C library's `powf`."""
+    base = np.float32(theta)
+    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
+    # Scalar, not array, power: numpy's float32 scalar power is `powf`, its array loop is not.
+    return np.array([base ** e for e in exponents], np.float32)
+
+
 @functools.cache
 def inv_frequencies(config: AttentionConfig, kind: LayerKind) -> np.ndarray:
     """f32[rope_dim // 2]: the rotation frequency of each pair for layers of `kind`."""
     r = config.rope_dim
     theta = config.rope_base(kind)
-    pos_freqs = np.float32(theta) ** (np.arange(0, r, 2, dtype=np.float32) / np.float32(r))
-    extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    powers = _theta_powers(theta, r)
+    extrapolation = np.float32(1.0) / powers
     if not config.uses_yarn(kind):
         return extrapolation
-    interpolation = (np.float32(1.0) / (np.float32(config.yarn_factor) * pos_freqs)).astype(
-        np.float32
-    )
+    interpolation = np.float32(1.0) / (np.float32(config.yarn_factor) * powers)
     ramp = yarn_ramp(r, theta, config.yarn_original_max_position, config.yarn_beta_fast,
                      config.yarn_beta_slow)
     keep = np.float32(1.0) - ramp
-    return (interpolation * (np.float32(1.0) - keep) + extrapolation * keep).astype(np.float32)
+    return interpolation * (np.float32(1.0) - keep) + extrapolation * keep
 
 
 def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray,
            inverse: bool = False) -> jnp.ndarray:
     """Rotates the last `2 * len(inv_freq)` dims of x by angle `position * f_i` per pair.
+
+    The angle is one fp32 product of the position (converted to fp32) and the frequency, as
+    transformers forms it, so it equals the reference's angle bit for bit; cos and sin then
+    differ from torch's by at most an ulp, whatever the position.
 
     Args:
       x: [..., d] with d >= 2 * len(inv_freq); computed in fp32, returned in x.dtype.
@@ -69,7 +103,7 @@ def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray,
       inverse: rotate by -angle (the output de-rotation).
     """
     r = 2 * inv_freq.shape[0]
-    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if inverse:
         sin = -sin
