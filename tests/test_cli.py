@@ -1,3 +1,4 @@
+import argparse
 import os
 import re
 
@@ -63,3 +64,26 @@ def test_nonsensical_options_are_rejected_by_name(capsys, argv, message):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"v4kv {argv[0]}: error: {message}" in err, err
+
+
+def test_subcommands_called_directly_check_their_namespace():
+    good = dict(lengths=[64, 8], decode_steps=2, chunk=16, pages=4, seed=0, new_tokens=4,
+                vocab=32, unroll=False)
+    with pytest.raises(ValueError, match=r"--chunk: expected an integer in \[1, inf\]; got 0"):
+        cli.demo(argparse.Namespace(**dict(good, chunk=0)))
+    with pytest.raises(ValueError, match=r"--lengths: expected an integer in \[1, inf\]; got 0"):
+        cli.demo(argparse.Namespace(**dict(good, lengths=[64, 0])))
+    with pytest.raises(TypeError, match="--seed: expected an integer; got 0.5"):
+        cli.demo(argparse.Namespace(**dict(good, seed=0.5)))
+    with pytest.raises(ValueError, match=r"--pages: expected at least 2 .*; got 1"):
+        cli.demo(argparse.Namespace(**dict(good, pages=1)))
+    with pytest.raises(TypeError, match="--vocab: expected a value"):
+        cli.demo(argparse.Namespace(**{k: v for k, v in good.items() if k != "vocab"}))
+    with pytest.raises(ValueError, match=r"--tokens: expected an integer in \[1, inf\]; got -5"):
+        cli.memory(argparse.Namespace(preset="flash", tokens=-5, dtype="bfloat16"))
+    with pytest.raises(ValueError, match=r"--dtype: expected one of \('float32', 'bfloat16', "
+                                         r"'float16'\); got fp8"):
+        cli.memory(argparse.Namespace(preset="flash", tokens=5, dtype="fp8"))
+    with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', 'tiny'\); "
+                                         "got huge"):
+        cli.memory(argparse.Namespace(preset="huge", tokens=5, dtype="bfloat16"))

@@ -16,12 +16,15 @@ import time
 
 import numpy as np
 
+from v4kv_jax import checks, pools
 from v4kv_jax import config as cfg
-from v4kv_jax import pools
 
 DEMO_MODEL = dict(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64,
                   o_groups=2, o_lora_rank=32, window=128, compress_ratios=(0, 0, 4, 128, 4, 128),
                   csa_ratio=4, hca_ratio=128, index_heads=8, index_head_dim=32, index_topk=32)
+
+
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _say(msg: str) -> None:
@@ -38,6 +41,11 @@ def demo(args) -> int:
     from v4kv_jax import oracle, synthetic
     from v4kv_jax.manager import CacheManager
 
+    _check_namespace(args, ("lengths", "decode_steps", "chunk", "pages", "seed", "new_tokens",
+                            "vocab"))
+    problem = _demo_problem(args)
+    if problem:
+        raise ValueError(problem)
     jax.config.update("jax_default_matmul_precision", "highest")
     model = cfg.AttentionConfig(**DEMO_MODEL)
     lengths = np.asarray(args.lengths)
@@ -176,6 +184,9 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> None:
 
 
 def memory(args) -> int:
+    _check_namespace(args, ("tokens",))
+    checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
+    checks.one_of("--dtype", getattr(args, "dtype", None), DTYPES)
     model = cfg.PRESETS[args.preset]()
     geometry = cfg.CacheConfig(num_pages=1, max_slots=1, max_pages_per_seq=1,
                                entry_dtype=args.dtype, window_dtype=args.dtype)
@@ -190,6 +201,28 @@ def memory(args) -> int:
     _say(f"At {args.tokens:,} tokens: Classical {_mib(classical)} in {pages:,} pages, "
          f"State {_mib(state)} per request (fp32 tails), dense per-token cache {_mib(dense)}")
     return 0
+
+
+# Integer options: (lowest, highest or None). argparse checks them on the command line; `demo`
+# and `memory` check them again when called with a hand-made namespace.
+BOUNDS = {"lengths": (1, None), "decode_steps": (0, None), "chunk": (1, None),
+          "pages": (1, None), "seed": (0, 2**32 - 1), "new_tokens": (1, None),
+          "vocab": (1, None), "tokens": (1, None)}
+
+
+def _check_namespace(args, options: tuple[str, ...]) -> None:
+    """Raises naming the option (`--chunk: expected an integer in [1, inf]; got 0`)."""
+    for option in options:
+        lo, hi = BOUNDS[option]
+        name = "--" + option.replace("_", "-")
+        values = getattr(args, option, None)
+        if isinstance(values, np.ndarray):
+            values = values.tolist()
+        if values is None:
+            checks.fail(name, "a value (an argparse namespace of the subcommand's options)",
+                        None, TypeError)
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            checks.integer(name, value, lo=lo, hi=hi)
 
 
 def _int_option(lo: int, hi: int | None = None):
@@ -217,7 +250,7 @@ def _demo_problem(args) -> str | None:
     need = max(int(np.sum(-(-(lengths + extra) // page_tokens)))
                for extra in (args.decode_steps, args.new_tokens))
     if args.pages < need:
-        return (f"argument --pages: expected at least {need} (pages of {page_tokens} tokens "
+        return (f"--pages: expected at least {need} (pages of {page_tokens} tokens "
                 f"that prompts of {lengths.tolist()} tokens need with --decode-steps "
                 f"{args.decode_steps} and --new-tokens {args.new_tokens}); got {args.pages}")
     return None
@@ -226,29 +259,33 @@ def _demo_problem(args) -> str | None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="v4kv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    positive, count = _int_option(1), _int_option(0)
+    option = {name: _int_option(*bounds) for name, bounds in BOUNDS.items()}
     p = sub.add_parser("demo", help="prefill + decode a ragged batch and check it")
-    p.add_argument("--lengths", type=positive, nargs="+", default=[700, 384, 129, 37],
+    p.add_argument("--lengths", type=option["lengths"], nargs="+", default=[700, 384, 129, 37],
                    help="prompt lengths of the requests")
-    p.add_argument("--decode-steps", type=count, default=24,
+    p.add_argument("--decode-steps", type=option["decode_steps"], default=24,
                    help="decode steps after the prefill (0: prefill only)")
-    p.add_argument("--chunk", type=positive, default=128, help="prefill chunk (tokens per call)")
-    p.add_argument("--pages", type=positive, default=64, help="pages in the Classical pool")
-    p.add_argument("--seed", type=_int_option(0, 2**32 - 1), default=0)
-    p.add_argument("--new-tokens", type=positive, default=32, help="tokens generated per prompt")
-    p.add_argument("--vocab", type=positive, default=512, help="vocabulary of the Flax decoder")
+    p.add_argument("--chunk", type=option["chunk"], default=128,
+                   help="prefill chunk (tokens per call)")
+    p.add_argument("--pages", type=option["pages"], default=64,
+                   help="pages in the Classical pool")
+    p.add_argument("--seed", type=option["seed"], default=0)
+    p.add_argument("--new-tokens", type=option["new_tokens"], default=32,
+                   help="tokens generated per prompt")
+    p.add_argument("--vocab", type=option["vocab"], default=512,
+                   help="vocabulary of the Flax decoder")
     p.add_argument("--unroll", action="store_true",
                    help="unroll the decoder's layers instead of scanning over layer groups")
     p.set_defaults(run=demo, problem=_demo_problem, parser=p)
     p = sub.add_parser("memory", help="cache cost of a preset at a context length")
     p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash")
-    p.add_argument("--tokens", type=positive, default=1 << 20)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tokens", type=option["tokens"], default=1 << 20)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.set_defaults(run=memory, problem=lambda args: None, parser=p)
     args = parser.parse_args(argv)
     problem = args.problem(args)
     if problem:
-        args.parser.error(problem)
+        args.parser.error(f"argument {problem}")
     return args.run(args)
 
 
