@@ -573,3 +573,22 @@ def test_torch_reference_argument_errors():
     with pytest.raises(ValueError, match=r"chunks: expected sizes summing to at most x's 4 "
                                          r"positions; got \[3, 3\] \(sum 6\)"):
         ref.run_chunks(x, [3, 3])
+
+
+def test_small_converter_helpers_errors():
+    from flax import nnx
+
+    from v4kv_jax.interop import convert
+    from v4kv_jax.nn import V4Attention
+
+    module = V4Attention(MODEL, LayerKind.SWA, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"path: expected a param path of the V4Attention \(it "
+                                         r"has no 'indexer\.q_b_proj'\); got 'indexer\.q_b_proj'"):
+        convert.param_at(module, "indexer.q_b_proj")
+    with pytest.raises(TypeError, match="path: expected a dot-separated param path"):
+        convert.param_at(module, 3)
+    with pytest.raises(TypeError, match="weight_name: expected a tensor name"):
+        convert.scale_name(None, {})
+    with pytest.raises(TypeError, match="tensors: expected a mapping"):
+        convert.scale_name("w.weight", ["w.scale"])
+    assert convert.scale_name("w.weight", {"w.scale": 1}) == "w.scale"

@@ -63,6 +63,9 @@ def _mapping(name: str, value) -> Mapping:
 
 def scale_name(weight_name: str, tensors: Mapping[str, object]) -> str | None:
     """The block-scale companion of `weight_name` present in `tensors`, if any."""
+    if not isinstance(weight_name, str):
+        checks.fail("weight_name", "a tensor name (str)", weight_name, TypeError)
+    _mapping("tensors", tensors)
     if not weight_name.endswith(".weight"):
         return None
     stem = weight_name[: -len(".weight")]
@@ -205,8 +208,13 @@ def checkpoint_tensors(params: Mapping[str, np.ndarray], kind: LayerKind, layout
 
 def param_at(module, path: str):
     """The `nnx.Param` at a dot-separated path of a module."""
-    obj = module
-    for part in path.split("."):
+    if not isinstance(path, str):
+        checks.fail("path", "a dot-separated param path (str)", path, TypeError)
+    obj, parts = module, path.split(".")
+    for i, part in enumerate(parts):
+        if not hasattr(obj, part):
+            checks.fail("path", f"a param path of the {type(module).__name__} (it has no "
+                        f"{'.'.join(parts[:i + 1])!r})", repr(path))
         obj = getattr(obj, part)
     return obj
 
