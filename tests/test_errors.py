@@ -1,0 +1,270 @@
+"""Bad input at the core, nn and manager entry points: a clear error when values are concrete,
+the device-side rule (nothing written, slot flagged, nothing read) inside a caller's jit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import v4kv_jax as v4
+from v4kv_jax import pools, step, synthetic
+from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
+from v4kv_jax.pools import SlotStatus
+
+from conftest import GEOMETRY, MODEL
+
+VOCAB = 40
+DATA = synthetic.SyntheticBatch.draw(MODEL, 3, 64, seed=5)
+
+
+def _cache(slots=(0, 1)):
+    cache = v4.init_cache(MODEL, GEOMETRY)
+    for s in slots:
+        cache = v4.reset_slot(cache, s)
+    return cache
+
+
+def _snapshot(cache):
+    return jax.tree.map(np.asarray, cache)
+
+
+def _assert_same(a, b, skip=()):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b),
+                            strict=True):
+        if any(name in jax.tree_util.keystr(path) for name in skip):
+            continue
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return Decoder(ModelConfig(MODEL, vocab_size=VOCAB), rngs=nnx.Rngs(3), bias_scale=0.3)
+
+
+# --- core: concrete arguments raise ---------------------------------------------------------
+
+
+def test_core_rows_are_checked():
+    cache = _cache()
+    vec = DATA.take(np.zeros((2, 4), int), [0, 1])
+    q = DATA.stacked_queries(np.zeros((2, 4), int), [0, 1])
+    w = DATA.weights
+    cases = [
+        (([-1, 0], [1, 1]), r"slot_ids: expected slot ids in \[0, 3\) .*got \[-1, 0\]"),
+        (([0, 3], [1, 1]), r"slot_ids: expected slot ids in \[0, 3\).*got \[0, 3\]"),
+        (([1, 1], [1, 1]), r"slot_ids: expected distinct slot ids .*got \[1, 1\]"),
+        (([0, 1], [5, 1]), r"n_new: expected counts in \[0, 4\] .*got \[5, 1\]"),
+        (([0, 1], [-1, 1]), r"n_new: expected counts in \[0, 4\].*got \[-1, 1\]"),
+        (([0, 2], [1, 1]), r"slot_ids: expected ACTIVE slots .*reset_slot it first.*slot 2 FREE"),
+        (([0, 1], [1]), r"n_new: expected shape \(2,\) .*got shape \(1,\)"),
+    ]
+    for (slots, n_new), message in cases:
+        with pytest.raises(ValueError, match=message):
+            step.forward(cache, vec, q, w, slots, n_new)
+        with pytest.raises(ValueError, match=message):
+            v4.prefill(cache, vec, w, slots, n_new)
+    with pytest.raises(TypeError, match=r"n_new: expected integers; got \[1.0, 2.0\]"):
+        v4.prefill(cache, vec, w, [0, 1], [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"slot_ids: expected distinct"):
+        step.begin_append(cache, jnp.asarray([0, 0]), jnp.asarray([1, 1]), tokens=1)
+
+
+def test_zero_length_chunk_and_missing_or_misshapen_inputs():
+    cache = _cache()
+    w = DATA.weights
+    empty = DATA.take(np.zeros((1, 0), int), [0])
+    with pytest.raises(ValueError, match=r"vectors: expected a chunk of at least one token "
+                                         r"\(T >= 1\); got T=0"):
+        v4.prefill(cache, empty, w, [0], [0])
+    with pytest.raises(ValueError, match=r"tokens: expected an integer in \[1, inf\]; got 0"):
+        step.begin_append(cache, jnp.asarray([0]), jnp.asarray([0]), tokens=0)
+    vec = DATA.take(np.zeros((1, 2), int), [0])
+    q = DATA.stacked_queries(np.zeros((1, 2), int), [0])
+    with pytest.raises(ValueError, match=r"queries.index_q: expected an array of shape"):
+        step.forward(cache, vec, q.replace(index_q=None), w, [0], [2])
+    with pytest.raises(ValueError, match=r"queries.q: expected shape \(5, 1, 2, 4, 32\); got "
+                                         r"shape \(5, 1, 2, 3, 32\)"):
+        step.forward(cache, vec, q.replace(q=q.q[:, :, :, :3]), w, [0], [2])
+    with pytest.raises(ValueError, match=r"queries.sink: expected shape \(5, 4\)"):
+        step.forward(cache, vec, q.replace(sink=q.sink[:, :2]), w, [0], [2])
+    bad_ape = w.replace(hca=w.hca.replace(ape=w.hca.ape[:, :-1]))
+    with pytest.raises(ValueError, match=r"weights.hca.ape: expected shape \(2, 16, 32\); got "
+                                         r"shape \(2, 15, 32\)"):
+        v4.prefill(cache, vec, bad_ape, [0], [2])
+    with pytest.raises(TypeError, match=r"vectors.window: expected an array of floating dtype"):
+        v4.prefill(cache, vec.replace(window=vec.window.astype(jnp.int32)), w, [0], [2])
+
+
+def test_layer_ref_and_decode_attention_check_their_arguments():
+    cache = _cache()
+    with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, 4\]; got 99"):
+        v4.LayerRef.of(cache, 99)
+    ref = v4.LayerRef.of(cache, 2)
+    queries = DATA.queries(2, np.zeros((1, 1), int), [0])
+    with pytest.raises(ValueError, match=r"slot_ids: expected values <= 2; got \[3\]"):
+        v4.decode_attention(cache, ref, queries, [3])
+    with pytest.raises(ValueError, match=r"queries.q: expected shape \(1, 1, 4, 32\)"):
+        v4.decode_attention(cache, ref, queries.replace(q=queries.q[..., :8]), [0])
+    csa = v4.LayerRef.of(cache, 1)
+    csa_q = DATA.queries(1, np.zeros((1, 1), int), [0]).replace(index_weights=None)
+    with pytest.raises(ValueError, match=r"queries.index_weights: expected an array"):
+        v4.decode_attention(cache, csa, csa_q, [0])
+
+
+def test_slot_lifecycle_errors_and_the_way_out_of_a_flag():
+    cache = _cache(slots=(0,))
+    with pytest.raises(ValueError, match=r"slot: expected an integer in \[0, 2\]; got 3"):
+        v4.reset_slot(cache, 3)
+    with pytest.raises(ValueError, match=r"slot: expected an integer in \[0, 2\]; got -1"):
+        v4.release_slot(cache, -1)
+    with pytest.raises(ValueError, match=r"slot: expected a FREE slot \(release_slot it first\); "
+                                         r"got slot 0 ACTIVE with length 0 and 0 page\(s\)"):
+        v4.reset_slot(cache, 0)
+    # A flagged slot appends nothing until clear_flags; its data never changed.
+    small = v4.CacheConfig(num_pages=1, max_slots=2, max_pages_per_seq=2, query_tile=16)
+    cache = v4.reset_slot(v4.init_cache(MODEL, small), 0)
+    vec = DATA.take(np.arange(32)[None] + np.zeros((1, 1), int), [0])
+    cache = v4.prefill(cache, vec, DATA.weights, [0], [32])
+    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 32), [0]), DATA.weights, [0], [32])
+    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 64), [0]), DATA.weights, [0], [32])
+    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 96), [0]), DATA.weights, [0], [32])
+    before = _snapshot(cache)
+    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 128), [0]), DATA.weights, [0], [1])
+    assert int(cache.state.status[0]) == SlotStatus.OUT_OF_PAGES
+    _assert_same(before, cache, skip=("status",))
+    with pytest.raises(ValueError, match=r"slot_ids: expected ACTIVE slots .*clear_flags.*"
+                                         r"got slot 0 OUT_OF_PAGES"):
+        v4.prefill(cache, DATA.take(np.full((1, 32), 128), [0]), DATA.weights, [0], [1])
+    cache = v4.clear_flags(cache, [0])
+    assert int(cache.state.status[0]) == SlotStatus.ACTIVE
+    assert int(cache.state.lengths[0]) == 128
+    with pytest.raises(ValueError, match=r"slots: expected slot ids in \[0, 2\)"):
+        v4.clear_flags(cache, [2])
+
+
+def test_reset_inside_jit_gives_back_the_pages_of_an_occupied_slot():
+    cache = _cache(slots=(0,))
+    cache = v4.prefill(cache, DATA.take(np.zeros((1, 32), int), [0]), DATA.weights, [0], [32])
+    assert int(cache.pages.num_free) == GEOMETRY.num_pages - 1
+    cache = jax.jit(pools.reset_slot)(cache, jnp.int32(0))
+    assert int(cache.pages.num_free) == GEOMETRY.num_pages
+    assert int(cache.pages.refcount.sum()) == 0
+    assert int(cache.state.lengths[0]) == 0
+    # Out-of-range ids inside jit change nothing.
+    before = _snapshot(cache)
+    cache = jax.jit(pools.reset_slot)(cache, jnp.int32(-1))
+    cache = jax.jit(pools.release_slot)(cache, jnp.int32(GEOMETRY.max_slots))
+    _assert_same(before, cache)
+
+
+# --- core inside jit: the device-side rules ---------------------------------------------------
+
+
+@jax.jit
+def _jit_forward(cache, vectors, queries, weights, slot_ids, n_new):
+    cache, plan = step.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
+    cache, out = step.append_and_attend(cache, plan, vectors, queries, DATA.weights)
+    return step.end_append(cache, plan), out
+
+
+def test_bad_rows_inside_jit_write_nothing_read_nothing_and_flag_their_slot():
+    base = _cache(slots=(0, 1))
+    pos = np.arange(8)[None] + np.zeros((3, 1), int)
+    base, _ = _jit_forward(base, DATA.take(pos), DATA.stacked_queries(pos), DATA.weights,
+                           jnp.asarray([0, 1, 2]), jnp.asarray([8, 8, 0]))
+    pos2 = pos + 8
+    vec2, q2 = DATA.take(pos2), DATA.stacked_queries(pos2)
+    # Reference: only slot 0 appends, 5 tokens (same batch shape, so the same reductions).
+    good, good_out = _jit_forward(jax.tree.map(jnp.copy, base), vec2, q2, DATA.weights,
+                                  jnp.asarray([0, 1, 2]), jnp.asarray([5, 0, 0]))
+    # (slot ids, n_new, flags set, rows that read nothing: their outputs are zeros)
+    for slots, n_new, flagged, silent in [
+        ([0, -1, 1], [5, 3, 0], {}, [1]),                      # -1: a padding row
+        ([0, 3, 1], [5, 3, 0], {}, [1]),                       # max_slots
+        ([0, 0, 1], [5, 3, 0], {0: SlotStatus.REJECTED}, [1]),  # slot 0 named twice
+        ([0, 1, 2], [5, 9, 0], {1: SlotStatus.REJECTED}, [1, 2]),  # n_new > T; slot 2 FREE
+        ([0, 1, 2], [5, 0, 4], {}, [2]),                       # FREE slot: appends nothing
+    ]:
+        cache, out = _jit_forward(jax.tree.map(jnp.copy, base), vec2, q2, DATA.weights,
+                                  jnp.asarray(slots), jnp.asarray(n_new))
+        expected = np.asarray(base.state.status).copy()
+        for s, f in flagged.items():
+            expected[s] = f
+        np.testing.assert_array_equal(cache.state.status, expected, err_msg=str(slots))
+        # Slot 0's row is as if alone; every other slot and page is unchanged.
+        np.testing.assert_array_equal(np.asarray(out)[:, 0], np.asarray(good_out)[:, 0])
+        _assert_same(_snapshot(good), cache, skip=("status",))
+        for b in range(1, 3):  # rows of slot 1 (ACTIVE, n_new 0) read its 8 tokens
+            assert np.asarray(out)[:, b].any() == (b not in silent), (slots, b)
+
+
+def test_decoder_inside_jit_rejects_rows_with_token_ids_outside_the_vocabulary(decoder):
+    graphdef, params = nnx.split(decoder)
+    run = jax.jit(lambda p, c, t, s, n: nnx.merge(graphdef, p)(t, c, s, n))
+    cache = _cache(slots=(0, 1))
+    tokens = jnp.asarray([[1, 2, 3], [4, VOCAB, 5]])
+    cache, _ = run(params, cache, tokens, jnp.asarray([0, 1]), jnp.asarray([3, 3]))
+    np.testing.assert_array_equal(cache.state.lengths[:2], [3, 0])
+    np.testing.assert_array_equal(cache.state.status[:2], [SlotStatus.ACTIVE,
+                                                           SlotStatus.REJECTED])
+    # Ids past n_new are padding and may be anything.
+    cache = v4.clear_flags(cache, [1])
+    cache, _ = run(params, cache, jnp.asarray([[1, 2, 3], [4, 5, -7]]), jnp.asarray([0, 1]),
+                   jnp.asarray([1, 2]))
+    np.testing.assert_array_equal(cache.state.lengths[:2], [4, 2])
+
+
+# --- nn and Generator -------------------------------------------------------------------------
+
+
+def test_nn_forward_checks_slots_lengths_and_token_ids(decoder):
+    graphdef, params = nnx.split(decoder)
+    cache = _cache(slots=(0, 1))
+    tokens = jnp.zeros((2, 4), jnp.int32)
+    cases = [
+        ((tokens, [-1, 0], [1, 1]), ValueError, r"slot_ids: expected slot ids in \[0, 3\)"),
+        ((tokens, [0, 3], [1, 1]), ValueError, r"slot_ids: expected slot ids in \[0, 3\)"),
+        ((tokens, [1, 1], [1, 1]), ValueError, r"slot_ids: expected distinct"),
+        ((tokens, [0, 1], [5, 1]), ValueError, r"n_new: expected counts in \[0, 4\]"),
+        ((tokens.at[1, 2].set(VOCAB), [0, 1], [4, 4]), ValueError,
+         r"tokens: expected token ids in \[0, 40\) \(vocab_size\); got 40 at row 1, position 2"),
+        ((tokens.at[0, 0].set(-3), [0, 1], [4, 4]), ValueError, r"got -3 at row 0"),
+        ((tokens.astype(jnp.float32), [0, 1], [1, 1]), TypeError,
+         r"tokens: expected an array of integer dtype; got dtype float32"),
+        ((tokens[:, :0], [0, 1], [0, 0]), ValueError, r"tokens: expected .*T >= 1"),
+        ((tokens, [0], [1]), ValueError, r"slot_ids: expected shape \(2,\)"),
+    ]
+    for (t, s, n), error, message in cases:
+        with pytest.raises(error, match=message):
+            forward(graphdef, params, cache, t, jnp.asarray(s), jnp.asarray(n))
+    np.testing.assert_array_equal(cache.state.lengths, [0, 0, 0])  # nothing ran
+
+
+def test_generator_checks_its_settings_and_prompts(decoder):
+    gen = Generator(decoder, GEOMETRY, max_prompt_len=16, max_new_tokens=2, prefill_chunk=8)
+    cases = [
+        (dict(temperature=-0.5), ValueError, r"temperature: expected a number in \[0.0, inf\]; "
+                                             r"got -0.5"),
+        (dict(temperature=float("nan")), ValueError, r"temperature: expected a finite number"),
+        (dict(temperature="hot"), TypeError, r"temperature: expected a real number; got hot"),
+        (dict(seed=1.5), TypeError, r"seed: expected an integer; got 1.5"),
+        (dict(eos_id=VOCAB), ValueError, r"eos_id: expected an integer in \[0, 39\]; got 40"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message):
+            gen.generate([[1, 2]], **kwargs)
+    with pytest.raises(TypeError, match=r"prompts\[0\]: expected integers; got \[1.5, 2.0\]"):
+        gen.generate([[1.5, 2.0]])
+    with pytest.raises(TypeError, match=r"prompts\[1\]: expected an array of integer dtype"):
+        gen.generate([[1], np.asarray([2.0])])
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected values >= 0; got \[-1\]"):
+        gen.generate([[-1]])
+    with pytest.raises(TypeError, match=r"prompts: expected a sequence of token-id sequences"):
+        gen.generate("hello")
+    with pytest.raises(ValueError, match=r"max_new_tokens: expected an integer in \[1, inf\]"):
+        Generator(decoder, GEOMETRY, max_prompt_len=16, max_new_tokens=0)
+    with pytest.raises(TypeError, match=r"model: expected a v4kv_jax.nn.Decoder"):
+        Generator(object(), GEOMETRY, max_prompt_len=16, max_new_tokens=2)
