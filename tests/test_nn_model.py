@@ -14,6 +14,7 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax.config import LayerKind
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward, layer_groups
+from v4kv_jax.nn.model import MLP
 
 MODEL = v4.tiny(index_heads=16)  # all three kinds; enough indexer heads to avoid score ties
 CONFIG = ModelConfig(MODEL, vocab_size=48, mlp_hidden=80)
@@ -182,14 +183,78 @@ def test_pool_exhaustion_is_reported(model):
         gen.generate(_prompts([10, 10, 10]))
 
 
-def test_logits_shape_and_tied_embeddings():
-    tied = Decoder(ModelConfig(MODEL, vocab_size=16, tie_embeddings=True), rngs=nnx.Rngs(1))
+def _rms(x, w=None, eps=MODEL.rms_eps):
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if w is None else y * w
+
+
+def _first_token_logits(model: Decoder, token: int) -> np.ndarray:
+    """f64[V]: logits of a sequence's first token, recomputed in numpy from the SPEC's formulas.
+
+    At position 0 RoPE is the identity and no compressed entry exists, so every layer attends
+    to the token's own window vector and the sink alone.
+    """
+    H, hd, g = MODEL.num_heads, MODEL.head_dim, MODEL.o_groups
+
+    def f64(param, r):
+        return np.asarray(param[...] if r is None else param[...][r], np.float64)
+
+    embed = f64(model.embed, None)
+    x = embed[token]
+    for layer in range(MODEL.num_layers):
+        block, r = model._locate(layer)
+        p = {k: np.asarray(v, np.float64) for k, v in model.attention_params(layer).items()}
+        h = _rms(x, f64(block.attn_norm, r))
+        q = _rms((p["q_b_proj"] @ _rms(p["q_a_proj"] @ h, p["q_a_norm"])).reshape(H, hd))
+        kv = _rms(p["kv_proj"] @ h, p["kv_norm"])
+        logit = q @ kv * hd**-0.5
+        weight = np.exp(logit) / (np.exp(logit) + np.exp(p["sinks"]))  # [H]
+        o = (weight[:, None] * kv).reshape(g, -1)  # g contiguous groups of H / g heads
+        rank = p["o_a_proj"].shape[0] // g
+        y = np.concatenate([p["o_a_proj"][j * rank:(j + 1) * rank] @ o[j] for j in range(g)])
+        x = x + p["o_b_proj"] @ y
+        if block.mlp is not None:
+            h = _rms(x, f64(block.mlp_norm, r))
+            gate, up, down = (f64(w, r) for w in (block.mlp.gate_proj, block.mlp.up_proj,
+                                                   block.mlp.down_proj))
+            silu = gate @ h / (1.0 + np.exp(-(gate @ h)))
+            x = x + down @ (silu * (up @ h))
+    return embed @ _rms(x, f64(model.norm, None))
+
+
+def test_logits_of_tied_embeddings_match_numpy():
+    tied = Decoder(ModelConfig(MODEL, vocab_size=16, mlp_hidden=24, tie_embeddings=True),
+                   rngs=nnx.Rngs(1), bias_scale=0.5)
     assert tied.lm_head is None
+    rng = np.random.default_rng(0)
+    for layer in range(MODEL.num_layers):  # norm weights away from 1, so that each one counts
+        tied.set_norm(layer, attn_norm=1 + 0.3 * rng.standard_normal(MODEL.hidden_size),
+                      mlp_norm=1 + 0.3 * rng.standard_normal(MODEL.hidden_size))
+        params = tied.attention_params(layer)
+        for name in ("q_a_norm", "kv_norm"):
+            params[name] = 1 + 0.3 * rng.standard_normal(params[name].shape)
+        tied.load_attention(layer, params)
+    tied.norm[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(MODEL.hidden_size))
     graphdef, params = nnx.split(tied)
-    _, lg = forward(graphdef, params, _fresh_cache(1), jnp.zeros((1, 4), jnp.int32),
+    _, lg = forward(graphdef, params, _fresh_cache(1), jnp.asarray([[5, 11, 5, 2]], jnp.int32),
                     jnp.arange(1), jnp.asarray([4]))
-    assert lg.shape == (1, 4, 16) and bool(jnp.isfinite(lg).all())
+    assert lg.shape == (1, 4, 16)
     assert jax.tree.leaves(params)  # params are plain arrays once split
+    want = _first_token_logits(tied, 5)
+    np.testing.assert_allclose(lg[0, 0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_mlp_is_down_of_silu_gate_times_up_by_hand():
+    mlp = MLP(2, 3, rngs=nnx.Rngs(0))
+    mlp.gate_proj[...] = jnp.asarray([[1.0, 0.0], [0.0, -0.5], [0.5, 0.5]])
+    mlp.up_proj[...] = jnp.asarray([[1.0, 1.0], [2.0, 0.0], [0.0, -1.0]])
+    mlp.down_proj[...] = jnp.asarray([[1.0, 0.0, 1.0], [0.0, 1.0, -2.0]])
+    # x = (1, -2): gate x = (1, 1, -0.5), up x = (-1, 2, 2).
+    # silu(1) = 1 / (1 + e^-1) = 0.7310585786300049, silu(-0.5) = -0.1887703343990727, so
+    # h = (-0.7310585786300049, 1.4621171572600098, -0.3775406687981454) and
+    # down h = (h0 + h2, h1 - 2 h2). (silu on the up branch would give (-1.1497, 3.5232).)
+    got = mlp(jnp.asarray([[1.0, -2.0]]))
+    np.testing.assert_allclose(got, [[-1.1085992474281503, 2.2171984948563006]], rtol=1e-6)
 
 
 def test_grouped_output_equals_the_reference_projection():
