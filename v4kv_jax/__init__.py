@@ -11,6 +11,7 @@ from v4kv_jax.pools import (
     init_cache,
     inspect_slots,
     memory_report,
+    read_slot,
     release_slot,
     reset_slot,
 )
@@ -29,11 +30,10 @@ from v4kv_jax.step import (
 )
 
 __all__ = [
-    "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput",
-    "CompressorParams", "CompressorWeights", "LayerKind", "LayerParams", "LayerRef",
-    "LayerVectors", "MemoryReport", "Queries", "SlotStatus", "TokenVectors", "begin_append",
-    "clear_flags",
-    "decode_attention", "decode_step", "end_append", "flash", "init_cache", "inspect_slots",
-    "layer_step", "memory_report", "output_projection", "prefill", "pro", "release_slot",
+    "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput", "CompressorParams",
+    "CompressorWeights", "LayerKind", "LayerParams", "LayerRef", "LayerVectors", "MemoryReport",
+    "Queries", "SlotStatus", "TokenVectors", "begin_append", "clear_flags", "decode_attention",
+    "decode_step", "end_append", "flash", "init_cache", "inspect_slots", "layer_step",
+    "memory_report", "output_projection", "prefill", "pro", "read_slot", "release_slot",
     "reset_slot", "tiny",
 ]

@@ -246,6 +246,55 @@ def inspect_slots(cache: Cache) -> list[SlotReport]:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlotContents:
+    """One request's data in logical order (host numpy arrays), independent of which pages
+    and ring rows hold it.
+
+    Attributes:
+      length: tokens appended.
+      window: [n_layers, min(length, W), hd], the window rows of positions
+        length - min(length, W) .. length - 1, oldest first.
+      entries: compressor name -> [n_kind_layers, length // m, width], entry i of every layer
+        of that kind ("csa": C4 entries, "csa_index": indexer keys, "hca": C128 entries).
+      tail_kv, tail_gate: compressor name -> [n_kind_layers, rows, in_width], the tail rows
+        still needed, oldest first (gate with the position bias added): the open block, and
+        with overlap (CSA) the complete block before it.
+      tail_start: compressor name -> the position of the first tail row.
+    """
+
+    length: int
+    window: np.ndarray
+    entries: dict[str, np.ndarray]
+    tail_kv: dict[str, np.ndarray]
+    tail_gate: dict[str, np.ndarray]
+    tail_start: dict[str, int]
+
+
+def read_slot(cache: Cache, slot: int) -> SlotContents:
+    """What one slot holds, by entry index and position (for inspection and tests)."""
+    S = cache.geometry.max_slots
+    slot = checks.slot(slot, S)
+    n = int(cache.state.lengths[slot])
+    W = cache.model.window
+    positions = np.arange(max(0, n - W), n)
+    window = np.asarray(cache.state.window[:, slot])[:, positions % W]
+    table = np.asarray(cache.pages.page_table[slot])
+    entries, tail_kv, tail_gate, tail_start = {}, {}, {}, {}
+    for spec in cache.specs:
+        epp = cache.geometry.entries_per_page(spec.ratio)
+        idx = np.arange(n // spec.ratio)
+        pool = np.asarray(cache.classical.entries(spec.name))
+        entries[spec.name] = pool[:, table[idx // epp], idx % epp]
+        first = max(0, (n // spec.ratio - (1 if spec.overlap else 0)) * spec.ratio)
+        rows = np.arange(first, n) % spec.ring
+        tail = cache.state.tail(spec.name)
+        tail_kv[spec.name] = np.asarray(tail.kv[:, slot])[:, rows]
+        tail_gate[spec.name] = np.asarray(tail.gate[:, slot])[:, rows]
+        tail_start[spec.name] = first
+    return SlotContents(n, window, entries, tail_kv, tail_gate, tail_start)
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryReport:
     """Bytes of the cache, separated the way the two pools differ.
 
@@ -343,8 +392,8 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 
 
 __all__ = [
-    "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "SlotReport", "SlotStatus",
-    "StatePool", "clear_flags", "Tail", "classical_bytes_per_token", "dense_cache_bytes_per_token",
-    "init_cache", "inspect_slots", "memory_report", "release_slot", "reset_slot",
-    "state_bytes_per_request",
+    "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "SlotContents", "SlotReport",
+    "SlotStatus", "StatePool", "Tail", "classical_bytes_per_token", "clear_flags",
+    "dense_cache_bytes_per_token", "init_cache", "inspect_slots", "memory_report", "read_slot",
+    "release_slot", "reset_slot", "state_bytes_per_request",
 ]

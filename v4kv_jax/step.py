@@ -603,8 +603,10 @@ def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
             slot_ids, n_new) -> Cache:
     """Appends up to T tokens to each of B slots, from any starting length.
 
-    Leaves exactly the state that feeding the same tokens one by one through `decode_step`
-    leaves. The input cache is donated.
+    Leaves the state that feeding the same tokens one by one through `decode_step` leaves:
+    window ring, tails, lengths and page tables bit for bit; compressed entries within 8 ulp
+    of the largest entry magnitude (XLA vectorises the pooling softmax differently for one
+    block than for many; `tests/test_chunking_bound.py`). The input cache is donated.
 
     Args:
       cache: the cache (donated).
