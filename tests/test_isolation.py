@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import v4kv_jax as v4
 from v4kv_jax import step, synthetic
+from v4kv_jax.manager import CacheManager
+from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
 
 from conftest import GEOMETRY, MODEL, positions
 
@@ -136,3 +140,102 @@ def test_reference_and_kernels_agree_on_the_poisoned_scenario():
     gpu_outs, _ = core_scenario(_poisoner(POISONS["nan"]), geometry, rounds)
     for a, b in zip(ref_outs, gpu_outs, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# --- nn.forward, the Generator and the manager --------------------------------------------------
+
+VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    return Decoder(ModelConfig(MODEL, vocab_size=VOCAB, mlp_hidden=32), rngs=nnx.Rngs(7),
+                   bias_scale=0.3)
+
+
+def nn_scenario(decoder, poison):
+    graphdef, params = nnx.split(decoder)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (3, 200))
+    done = np.zeros(3, np.int64)
+    outs = []
+
+    def call(cache, rows, slots, counts, chunk):
+        t = np.stack([np.pad(tokens[r, done[r]:done[r] + chunk],
+                             (0, max(0, done[r] + chunk - tokens.shape[1]))) for r in rows])
+        cache, logits = forward(graphdef, params, cache, jnp.asarray(t, jnp.int32),
+                                jnp.asarray(slots), jnp.asarray(counts))
+        done[rows] += counts
+        outs.append(np.asarray(logits))
+        return poison(cache)
+
+    cache = poison(v4.init_cache(MODEL, GEOMETRY))
+    for s in (0, 1):
+        cache = poison(v4.reset_slot(cache, s))
+    for _ in range(3):
+        cache = call(cache, np.array([0, 1]), np.array([0, 1]), np.array([32, 19]), 32)
+    cache = poison(v4.reset_slot(v4.release_slot(cache, 0), 0))
+    cache = call(cache, np.array([2, 1]), np.array([0, 1]), np.array([32, 32]), 32)
+    for _ in range(2):
+        cache = call(cache, np.array([2, 1]), np.array([0, 1]), np.array([1, 1]), 1)
+    return outs, owned_state(cache)
+
+
+@pytest.mark.parametrize("poison", ["nan", "huge"])
+def test_nn_forward_never_reads_unowned_rows(decoder, poison):
+    clean = nn_scenario(decoder, _poisoner(None))
+    assert_runs_identical(clean, nn_scenario(decoder, _poisoner(POISONS[poison])))
+
+
+def test_generator_output_does_not_depend_on_what_its_cache_held(decoder):
+    prompts = [[5, 6, 7] * 30, [1, 2], [9] * 40]
+    fresh = Generator(decoder, GEOMETRY, max_prompt_len=100, max_new_tokens=6,
+                      prefill_chunk=32)
+    want = fresh.generate(prompts[1:])
+    used = Generator(decoder, GEOMETRY, max_prompt_len=100, max_new_tokens=6, prefill_chunk=32)
+    used.generate(prompts)  # fills pages and every slot's window and tails
+    for value in (float("nan"), 1e30):
+        # Every row the last call wrote is stale for the next call (it starts every slot
+        # afresh): poison all of them, keeping the page bookkeeping the next call releases.
+        status = used.cache.state.status
+        stale = used.cache.replace(state=used.cache.state.replace(status=jnp.zeros_like(status)))
+        poisoned = synthetic.poison_unowned(stale, value)
+        assert np.isnan(np.asarray(poisoned.classical.c4)).all() == np.isnan(value)
+        used.cache = poisoned.replace(state=poisoned.state.replace(status=status))
+        got = used.generate(prompts[1:])
+        np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_manager_calls_never_read_unowned_rows():
+    data = synthetic.SyntheticBatch.draw(MODEL, 3, 200, seed=4)
+
+    def run(poison):
+        mgr = CacheManager(MODEL, GEOMETRY, data.weights)
+        outs, done = [], np.zeros(3, np.int64)
+
+        def prefill(requests, rows, counts):
+            pos = positions(done[rows], 32)
+            outs.append(np.asarray(mgr.prefill(requests, data.take(pos, rows), counts,
+                                               queries=data.stacked_queries(pos, rows))))
+            done[rows] += counts
+            mgr.cache = poison(mgr.cache)
+
+        for r in ("a", "b"):
+            mgr.admit(r)
+        prefill(["a", "b"], [0, 1], [32, 20])
+        prefill(["a", "b"], [0, 1], [32, 32])
+        mgr.release("a")
+        mgr.cache = poison(mgr.cache)
+        mgr.admit("c")
+        prefill(["c", "b"], [2, 1], [30, 3])
+        slots = mgr.slots
+        rows = np.zeros(GEOMETRY.max_slots, int)
+        rows[slots["c"]], rows[slots["b"]] = 2, 1
+        pos = done[rows]
+        outs.append(np.asarray(mgr.decode(data.take(pos, rows),
+                                          queries=data.stacked_queries(pos, rows)))[
+                                              :, [slots["c"], slots["b"]]])
+        return outs, owned_state(mgr.cache)
+
+    clean = run(_poisoner(None))
+    assert_runs_identical(clean, run(_poisoner(POISONS["nan"])))
