@@ -143,7 +143,7 @@ class MLP(nnx.Module):
         self.down_proj = w(hidden, width)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = linear(x, self.gate_proj[...]) * jax.nn.silu(linear(x, self.up_proj[...]))
+        h = jax.nn.silu(linear(x, self.gate_proj[...])) * linear(x, self.up_proj[...])
         return linear(h, self.down_proj[...])
 
 
