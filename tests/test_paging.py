@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -22,7 +23,12 @@ def _invariants(pages: paging.PageState):
         assert (row[:n] >= 0).all()
 
 
-@settings(max_examples=hypothesis_examples(30), deadline=None)
+# Jitted once for all examples: eager, each call dispatches its ops one by one.
+_allocate = jax.jit(paging.allocate, static_argnums=(4, 5))
+_release = jax.jit(paging.release)
+
+
+@settings(max_examples=hypothesis_examples(100), deadline=None)
 @given(st.lists(st.lists(st.integers(0, 300), min_size=3, max_size=3), min_size=1, max_size=6),
        st.lists(st.booleans(), min_size=6, max_size=6))
 def test_allocate_release_keep_the_pool_consistent(steps, releases):
@@ -32,8 +38,8 @@ def test_allocate_release_keep_the_pool_consistent(steps, releases):
         new = lengths + np.asarray(adds)
         wants = (np.asarray(adds) > 0) & (new <= 4 * 128)
         before = int(pages.num_free)
-        pages, granted = paging.allocate(pages, jnp.arange(3), jnp.asarray(new, jnp.int32),
-                                         jnp.asarray(wants), 128, 4)
+        pages, granted = _allocate(pages, jnp.arange(3), jnp.asarray(new, jnp.int32),
+                                   jnp.asarray(wants), 128, 4)
         granted = np.asarray(granted)
         need = -(-new // 128) - -(-lengths // 128)
         assert int(pages.num_free) == before - int(need[granted].sum())
@@ -41,7 +47,7 @@ def test_allocate_release_keep_the_pool_consistent(steps, releases):
         assert (np.asarray(paging.held_pages(pages.page_table)) == -(-lengths // 128)).all()
         _invariants(pages)
         if releases[i]:
-            pages = paging.release(pages, jnp.asarray([True, False, False]))
+            pages = _release(pages, jnp.asarray([True, False, False]))
             lengths[0] = 0
             _invariants(pages)
 
