@@ -87,3 +87,11 @@ def test_subcommands_called_directly_check_their_namespace():
     with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', 'tiny'\); "
                                          "got huge"):
         cli.memory(argparse.Namespace(preset="huge", tokens=5, dtype="bfloat16"))
+
+
+def test_the_test_command_ends_with_the_pytest_summary():
+    """README runs `pytest -q`; a second -q from the config would silence the summary line."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        options = tomllib.load(f)["tool"]["pytest"]["ini_options"]
+    assert "-q" not in str(options.get("addopts", "")).split()
