@@ -53,7 +53,8 @@ def test_core_rows_are_checked():
     q = DATA.stacked_queries(np.zeros((2, 4), int), [0, 1])
     w = DATA.weights
     cases = [
-        (([-1, 0], [1, 1]), r"slot_ids: expected slot ids in \[0, 3\) .*got \[-1, 0\]"),
+        (([-1, 0], [1, 1]), r"n_new: expected 0 for a padding row \(slot id -1\); got 1 at row 0"),
+        (([-2, 0], [0, 1]), r"slot_ids: expected slot ids in \[0, 3\) .*or -1 for a padding row"),
         (([0, 3], [1, 1]), r"slot_ids: expected slot ids in \[0, 3\).*got \[0, 3\]"),
         (([1, 1], [1, 1]), r"slot_ids: expected distinct slot ids .*got \[1, 1\]"),
         (([0, 1], [5, 1]), r"n_new: expected counts in \[0, 4\] .*got \[5, 1\]"),
@@ -225,7 +226,7 @@ def test_nn_forward_checks_slots_lengths_and_token_ids(decoder):
     cache = _cache(slots=(0, 1))
     tokens = jnp.zeros((2, 4), jnp.int32)
     cases = [
-        ((tokens, [-1, 0], [1, 1]), ValueError, r"slot_ids: expected slot ids in \[0, 3\)"),
+        ((tokens, [-1, 0], [1, 1]), ValueError, r"n_new: expected 0 for a padding row"),
         ((tokens, [0, 3], [1, 1]), ValueError, r"slot_ids: expected slot ids in \[0, 3\)"),
         ((tokens, [1, 1], [1, 1]), ValueError, r"slot_ids: expected distinct"),
         ((tokens, [0, 1], [5, 1]), ValueError, r"n_new: expected counts in \[0, 4\]"),
@@ -268,3 +269,14 @@ def test_generator_checks_its_settings_and_prompts(decoder):
         Generator(decoder, GEOMETRY, max_prompt_len=16, max_new_tokens=0)
     with pytest.raises(TypeError, match=r"model: expected a v4kv_jax.nn.Decoder"):
         Generator(object(), GEOMETRY, max_prompt_len=16, max_new_tokens=2)
+
+
+def test_padding_rows_with_slot_minus_one_are_accepted_and_inert():
+    cache = _cache(slots=(0,))
+    pos = np.zeros((2, 4), int) + np.arange(4)
+    vec, q = DATA.take(pos, [0, 1]), DATA.stacked_queries(pos, [0, 1])
+    before = _snapshot(cache)
+    cache, out = step.forward(cache, vec, q, DATA.weights, [0, -1], [4, 0])
+    assert int(cache.state.lengths[0]) == 4
+    assert not np.asarray(out)[:, 1].any()
+    _assert_same(before.state.window[:, 1:], np.asarray(cache.state.window[:, 1:]))

@@ -112,12 +112,17 @@ def int_array(name: str, x, *, ndim: int | None = None, lo: int | None = None,
     return arr
 
 
-def slot_ids(x, max_slots: int, *, name: str = "slot_ids") -> np.ndarray:
-    """Distinct slot ids of a 1-D integer array, each in [0, max_slots)."""
+def slot_ids(x, max_slots: int, *, name: str = "slot_ids", padding: bool = False
+             ) -> np.ndarray:
+    """Distinct slot ids of a 1-D integer array, each in [0, max_slots); with `padding`, -1
+    also marks a padding row (any number of them)."""
     ids = int_array(name, x, ndim=1)
-    if ids.size and (ids.min() < 0 or ids.max() >= max_slots):
-        fail(name, f"slot ids in [0, {max_slots}) (max_slots)", ids)
-    if len(set(ids.tolist())) != ids.size:
+    lo = -1 if padding else 0
+    if ids.size and (ids.min() < lo or ids.max() >= max_slots):
+        extra = " or -1 for a padding row" if padding else ""
+        fail(name, f"slot ids in [0, {max_slots}) (max_slots){extra}", ids)
+    real = ids[ids >= 0].tolist()
+    if len(set(real)) != len(real):
         fail(name, "distinct slot ids (a slot appears once per call)", ids)
     return ids
 

@@ -525,17 +525,22 @@ def check_queries(cache: Cache, ref: LayerRef | None, queries: Queries, batch: i
 
 
 def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
-    """Concrete checks of one call's rows: distinct slots in range, n_new in [0, tokens],
-    and every slot that appends is ACTIVE."""
+    """Concrete checks of one call's rows: distinct slots in range (or -1 for a padding row,
+    which must append nothing), n_new in [0, tokens], and every slot that appends is ACTIVE."""
     S = cache.geometry.max_slots
-    ids = checks.slot_ids(slot_ids, S)
+    ids = checks.slot_ids(slot_ids, S, padding=True)
     n = checks.int_array("n_new", n_new, ndim=1)
     if n.shape != ids.shape:
         checks.fail("n_new", f"shape {ids.shape} (one count per slot id)", f"shape {n.shape}")
     if n.size and (n.min() < 0 or n.max() > tokens):
         checks.fail("n_new", f"counts in [0, {tokens}] (the chunk length)", n)
     status = np.asarray(cache.state.status)
-    for slot, count in zip(ids.tolist(), n.tolist(), strict=True):
+    for row, (slot, count) in enumerate(zip(ids.tolist(), n.tolist(), strict=True)):
+        if slot < 0:
+            if count:
+                checks.fail("n_new", "0 for a padding row (slot id -1)",
+                            f"{count} at row {row}")
+            continue
         st = SlotStatus(int(status[slot]))
         if count > 0 and st != SlotStatus.ACTIVE:
             hint = ("reset_slot it first" if st == SlotStatus.FREE
