@@ -45,7 +45,7 @@ from flax import nnx
 from measure import read_bandwidth, write_result
 
 import v4kv_jax as v4
-from v4kv_jax import step
+from v4kv_jax import interop, step
 from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.nn.attention import grouped_output
 
@@ -128,7 +128,8 @@ def projections_only(model: Decoder):
     if model.scan_layers:
         unrolled = Decoder(model.config, rngs=nnx.Rngs(0), scan_layers=False)
         for layer in range(model.config.num_layers):
-            unrolled.load_attention(layer, model.attention_params(layer))
+            interop.load_attention(unrolled, interop.attention_state(model, layer=layer),
+                                   layer=layer)
         model = unrolled
     graphdef, params = nnx.split(model)
 
@@ -225,7 +226,7 @@ def run_torch(model: Decoder, args) -> tuple[dict, np.ndarray]:
     with tempfile.TemporaryDirectory() as tmp:
         np.savez(os.path.join(tmp, "weights.npz"), **{
             f"{layer}/{k}": v for layer in range(model.config.num_layers)
-            for k, v in model.attention_params(layer).items()})
+            for k, v in interop.attention_state(model, layer=layer).items()})
         cmd = [sys.executable, os.path.abspath(__file__), "--torch-worker", tmp,
                "--batch", str(args.batch), "--steps", str(args.steps), "--chunk",
                str(args.chunk), "--torch-threads", str(args.torch_threads), "--torch-limit-s",

@@ -186,7 +186,7 @@ def test_read_attention_from_official_shards(tmp_path, monkeypatch):
             np.testing.assert_array_equal(value, want, err_msg=f"layer {layer} {path}")
     model = Decoder(ModelConfig(config, vocab_size=8), rngs=nnx.Rngs(0))
     interop.load_into(model, loaded)
-    np.testing.assert_array_equal(model.attention_params(3)["indexer.weights_proj"],
+    np.testing.assert_array_equal(interop.attention_state(model, layer=3)["indexer.weights_proj"],
                                   per_layer[3]["indexer.weights_proj"])
     # Two layers only: the others are not read at all.
     reads.clear()

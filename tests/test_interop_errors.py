@@ -297,6 +297,44 @@ def test_module_level_converters_errors():
         interop.load_attention(module, dict(params, q_a_norm=np.ones(32, np.int64)))
 
 
+def test_decoder_layer_access_errors():
+    from flax import nnx
+
+    from v4kv_jax.nn import Decoder, ModelConfig, V4Attention
+
+    model = Decoder(ModelConfig(MODEL, vocab_size=8), rngs=nnx.Rngs(0))
+    params = random_params(MODEL, LayerKind.CSA, seed=1)
+    interop.load_attention(model, params, layer=3)
+    got = interop.attention_state(model, layer=3)
+    assert set(got) == set(params)
+    for path, value in params.items():
+        np.testing.assert_array_equal(got[path], value, err_msg=path)
+    with pytest.raises(ValueError, match=r"layer: expected a layer index in \[0, 5\) \(module "
+                                         r"is a Decoder\); got None"):
+        interop.attention_state(model)
+    with pytest.raises(ValueError, match=r"layer: expected a layer index in \[0, 5\)"):
+        interop.load_attention(model, params)
+    with pytest.raises(TypeError, match=r"module: expected a v4kv_jax\.nn\.Decoder \(layer= "
+                                        r"picks one of its layers\); got V4Attention"):
+        interop.attention_state(V4Attention(MODEL, LayerKind.CSA, rngs=nnx.Rngs(0)), layer=1)
+    with pytest.raises(TypeError, match=r"model: expected a v4kv_jax\.nn\.Decoder"):
+        interop.set_norms({}, layer=0, attn_norm=np.ones(MODEL.hidden_size))
+    with pytest.raises(ValueError, match=r"layer=5 must be in \[0, 5\)"):
+        interop.attention_state(model, layer=5)
+    with pytest.raises(TypeError, match="layer: expected an integer; got 1.5"):
+        interop.load_attention(model, params, layer=1.5)
+    with pytest.raises(interop.CheckpointError, match=r"params for a HCA layer \(layer 2\) "
+                                                      "must be exactly"):
+        interop.load_attention(model, params, layer=2)
+    with pytest.raises(ValueError, match=r"norm weight of layer 0 has shape \(3,\); expected "
+                                         r"\(64,\)"):
+        interop.set_norms(model, layer=0, attn_norm=np.ones(3))
+    with pytest.raises(ValueError, match="layer 4 has no MLP"):
+        interop.set_norms(model, layer=4, mlp_norm=np.ones(MODEL.hidden_size))
+    with pytest.raises(TypeError, match="positional argument"):
+        interop.set_norms(model, 0, np.ones(MODEL.hidden_size))
+
+
 def test_names_errors():
     with pytest.raises(TypeError, match="config: expected an AttentionConfig; got NoneType"):
         names.expected_shapes(None, LayerKind.CSA)

@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
+from v4kv_jax import interop
 from v4kv_jax.config import LayerKind
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward, layer_groups
 from v4kv_jax.nn.model import MLP
@@ -62,7 +63,7 @@ def test_stacked_params_follow_the_groups(model):
     assert csa.attn.q_a_proj[...].shape == (2, MODEL.q_lora_rank, MODEL.hidden_size)
     assert csa.attn.indexer.compressor.ape[...].shape == (2, MODEL.csa_ratio,
                                                            2 * MODEL.index_head_dim)
-    a, b = model.attention_params(1), model.attention_params(3)
+    a, b = interop.attention_state(model, layer=1), interop.attention_state(model, layer=3)
     assert not np.allclose(a["q_a_proj"], b["q_a_proj"])  # distinct random layers
 
 
@@ -202,8 +203,9 @@ def _first_token_logits(model: Decoder, token: int) -> np.ndarray:
     embed = f64(model.embed, None)
     x = embed[token]
     for layer in range(MODEL.num_layers):
-        block, r = model._locate(layer)
-        p = {k: np.asarray(v, np.float64) for k, v in model.attention_params(layer).items()}
+        block, r = model.block_of(layer)
+        p = {k: np.asarray(v, np.float64)
+             for k, v in interop.attention_state(model, layer=layer).items()}
         h = _rms(x, f64(block.attn_norm, r))
         q = _rms((p["q_b_proj"] @ _rms(p["q_a_proj"] @ h, p["q_a_norm"])).reshape(H, hd))
         kv = _rms(p["kv_proj"] @ h, p["kv_norm"])
@@ -228,12 +230,13 @@ def test_logits_of_tied_embeddings_match_numpy():
     assert tied.lm_head is None
     rng = np.random.default_rng(0)
     for layer in range(MODEL.num_layers):  # norm weights away from 1, so that each one counts
-        tied.set_norm(layer, attn_norm=1 + 0.3 * rng.standard_normal(MODEL.hidden_size),
-                      mlp_norm=1 + 0.3 * rng.standard_normal(MODEL.hidden_size))
-        params = tied.attention_params(layer)
+        interop.set_norms(tied, layer=layer,
+                          attn_norm=1 + 0.3 * rng.standard_normal(MODEL.hidden_size),
+                          mlp_norm=1 + 0.3 * rng.standard_normal(MODEL.hidden_size))
+        params = interop.attention_state(tied, layer=layer)
         for name in ("q_a_norm", "kv_norm"):
             params[name] = 1 + 0.3 * rng.standard_normal(params[name].shape)
-        tied.load_attention(layer, params)
+        interop.load_attention(tied, params, layer=layer)
     tied.norm[...] = jnp.asarray(1 + 0.3 * rng.standard_normal(MODEL.hidden_size))
     graphdef, params = nnx.split(tied)
     _, lg = forward(graphdef, params, _fresh_cache(1), jnp.asarray([[5, 11, 5, 2]], jnp.int32),
@@ -276,11 +279,13 @@ def test_unrolled_layers_hold_one_block_per_layer(model):
     assert unrolled.groups[1][0].attn.q_a_proj[...].shape == (MODEL.q_lora_rank,
                                                                MODEL.hidden_size)
     for layer in range(MODEL.num_layers):
-        unrolled.load_attention(layer, model.attention_params(layer))
-        np.testing.assert_array_equal(unrolled.attention_params(layer)["sinks"],
-                                      model.attention_params(layer)["sinks"])
+        interop.load_attention(unrolled, interop.attention_state(model, layer=layer),
+                               layer=layer)
+        np.testing.assert_array_equal(interop.attention_state(unrolled, layer=layer)["sinks"],
+                                      interop.attention_state(model, layer=layer)["sinks"])
     with pytest.raises(ValueError, match=r"layer 2 has no MLP"):
-        Decoder(ModelConfig(MODEL, vocab_size=8), rngs=nnx.Rngs(0)).set_norm(2, mlp_norm=1.0)
+        interop.set_norms(Decoder(ModelConfig(MODEL, vocab_size=8), rngs=nnx.Rngs(0)), layer=2,
+                          mlp_norm=1.0)
 
 
 def test_demo_generation_step_prints_tokens_per_second(capsys):

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import v4kv_jax as v4  # noqa: E402
-from v4kv_jax import rope, step  # noqa: E402
+from v4kv_jax import interop, rope, step  # noqa: E402
 from v4kv_jax.config import LayerKind  # noqa: E402
 from v4kv_jax.interop import convert  # noqa: E402
 from v4kv_jax.interop.torch_reference import TransformersAttention  # noqa: E402
@@ -137,8 +137,8 @@ def test_attention_stack_matches_transformers(scan_layers):
     model = Decoder(ModelConfig(config, vocab_size=8), rngs=nnx.Rngs(0),
                     scan_layers=scan_layers)
     for layer in range(config.num_layers):
-        model.load_attention(layer, ref.attention_params(layer))
-        model.set_norm(layer, attn_norm=ref.norm_weight(layer))
+        interop.load_attention(model, ref.attention_params(layer), layer=layer)
+        interop.set_norms(model, layer=layer, attn_norm=ref.norm_weight(layer))
     x = np.random.default_rng(3).standard_normal((2, 90, config.hidden_size)).astype(np.float32)
     chunks = [40, 17, 32, 1]
     want = ref.run_chunks(x, chunks)

@@ -12,6 +12,7 @@ from v4kv_jax.interop.convert import (
     checkpoint_tensors,
     dequantize,
     load_attention,
+    set_norms,
 )
 from v4kv_jax.interop.hf_config import attention_config_from_hf, transformers_config_kwargs
 from v4kv_jax.interop.names import OFFICIAL, TABLE, TRANSFORMERS, expected_shapes, layer_prefix
@@ -21,5 +22,6 @@ __all__ = [
     "OFFICIAL", "TABLE", "TRANSFORMERS", "CheckpointError", "SafetensorsFile",
     "attention_config_from_hf", "attention_params", "attention_state", "checkpoint_tensors",
     "dequantize", "detect_layout", "expected_shapes", "layer_prefix", "load_attention",
-    "load_into", "read_attention", "transformers_config_kwargs", "write_attention",
+    "load_into", "read_attention", "set_norms", "transformers_config_kwargs",
+    "write_attention",
 ]

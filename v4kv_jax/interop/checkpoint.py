@@ -22,6 +22,7 @@ from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig
 from v4kv_jax.interop import convert, names
 from v4kv_jax.interop.safetensors_io import SafetensorsFile, shard_files
+from v4kv_jax.nn.model import Decoder
 
 _PATTERNS = {
     names.TRANSFORMERS: re.compile(r"^model\.layers\.(\d+)\.self_attn\.(.+)$"),
@@ -148,11 +149,10 @@ def _per_layer(per_layer, num_layers: int) -> dict:
 
 def load_into(model, per_layer: dict[int, dict[str, np.ndarray]]) -> None:
     """Writes `read_attention`'s output into a `v4kv_jax.nn.Decoder`."""
-    config = getattr(getattr(model, "config", None), "attention", None)
-    if not isinstance(config, AttentionConfig) or not hasattr(model, "load_attention"):
+    if not isinstance(model, Decoder):
         checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
-    for layer, params in _per_layer(per_layer, config.num_layers).items():
-        model.load_attention(layer, params)
+    for layer, params in _per_layer(per_layer, model.config.num_layers).items():
+        convert.load_attention(model, params, layer=layer)
 
 
 def write_attention(path: str | os.PathLike, per_layer: dict[int, dict[str, np.ndarray]],

@@ -4,6 +4,9 @@
   checkpoint_tensors(params, kind, layout)          the inverse (for exporting weights)
   load_attention(module, params)                    writes params into a V4Attention
   attention_state(module)                           reads them back out
+  load_attention(model, params, layer=i)            the same for layer i of a Decoder
+  attention_state(model, layer=i)                   (scanned or unrolled layers)
+  set_norms(model, layer=i, attn_norm=, mlp_norm=)  the Decoder's pre-attention / pre-MLP norms
 
 `layout` is "transformers" (transformers 5.23.0 module names, e.g. `q_a_proj.weight`,
 `compressor.indexer.scorer.weights_proj.weight`) or "official" (the released checkpoint's,
@@ -25,6 +28,7 @@ import numpy as np
 from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, LayerKind
 from v4kv_jax.interop import names
+from v4kv_jax.nn.model import Block, Decoder
 
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 FP8_BLOCK = (128, 128)
@@ -242,9 +246,28 @@ def check_layer_params(params: Mapping[str, object], shapes: Mapping[str, tuple[
                                   f"{tuple(shapes[path])}")
 
 
-def load_attention(module, params: Mapping[str, np.ndarray]) -> None:
-    """Writes {path: array} into a `V4Attention` (all of its params, shapes checked). Each
-    array is stored in the dtype of the param it replaces."""
+def load_attention(module, params: Mapping[str, np.ndarray], *, layer: int | None = None
+                   ) -> None:
+    """Writes one attention layer's params {V4Attention path: array} (all of them, shapes
+    checked), each in the dtype of the param it replaces.
+
+    Args:
+      module: a `V4Attention` (stacked params take stacked arrays), or a `Decoder` with
+        `layer`.
+      params: {V4Attention path: array}, e.g. from `attention_params` or `read_attention`.
+      layer: the Decoder's layer to write (into its slice of the stacked params when the
+        layers are scanned); None for a V4Attention.
+    """
+    if layer is not None or isinstance(module, Decoder):
+        block, r = _block(module, layer)
+        shapes = names.expected_shapes(module.config.attention, block.attn.kind)
+        check_layer_params(params, shapes, block.attn.kind, where=f"layer {layer}")
+        for path, value in params.items():
+            param = param_at(block.attn, path)
+            current = param[...]
+            value = jnp.asarray(value, current.dtype)
+            param[...] = value if r is None else current.at[r].set(value)
+        return
     _check_module(module)
     shapes = {p.path: tuple(param_at(module, p.path)[...].shape)
               for p in names.names_for(module.kind)}
@@ -254,11 +277,51 @@ def load_attention(module, params: Mapping[str, np.ndarray]) -> None:
         param[...] = jnp.asarray(value, param[...].dtype)
 
 
-def attention_state(module) -> dict[str, np.ndarray]:
-    """{path: numpy array} of every param of a `V4Attention` (stacked leaves stay stacked)."""
+def attention_state(module, *, layer: int | None = None) -> dict[str, np.ndarray]:
+    """{V4Attention path: f32 numpy array} of every attention param of one layer.
+
+    Args:
+      module: a `V4Attention` (stacked leaves stay stacked), or a `Decoder` with `layer`.
+      layer: the Decoder's layer to read (its slice when the layers are scanned); None for a
+        V4Attention.
+    """
+    if layer is not None or isinstance(module, Decoder):
+        block, r = _block(module, layer)
+        state = attention_state(block.attn)
+        return state if r is None else {k: v[r] for k, v in state.items()}
     _check_module(module)
     return {p.path: np.asarray(param_at(module, p.path)[...], np.float32)
             for p in names.names_for(module.kind)}
+
+
+def set_norms(model, *, layer: int, attn_norm=None, mlp_norm=None) -> None:
+    """Sets the weights [D] of a Decoder layer's pre-attention and pre-MLP RMSNorms (None
+    leaves one as it is)."""
+    block, r = _block(model, layer, name="model")
+    for param, value in ((block.attn_norm, attn_norm), (block.mlp_norm, mlp_norm)):
+        if value is None:
+            continue
+        if param is None:
+            raise ValueError(f"layer {layer} has no MLP (mlp_hidden=0)")
+        current = param[...]
+        value = jnp.asarray(value, current.dtype)
+        want = current.shape if r is None else current.shape[1:]
+        if value.shape != want:
+            raise ValueError(f"norm weight of layer {layer} has shape {value.shape}; "
+                             f"expected {want}")
+        param[...] = value if r is None else current.at[r].set(value)
+
+
+def _block(model, layer, name: str = "module") -> tuple[Block, int | None]:
+    """`model.block_of(layer)` after checking that `model` is a Decoder and `layer` an int."""
+    if not isinstance(model, Decoder):
+        checks.fail(name, "a v4kv_jax.nn.Decoder (layer= picks one of its layers)",
+                    type(model).__name__, TypeError)
+    if layer is None:
+        checks.fail("layer", f"a layer index in [0, {model.config.num_layers}) ({name} is a "
+                    "Decoder)", None)
+    checks.integer("layer", layer)
+    return model.block_of(layer)
 
 
 def _check_module(module) -> None:

@@ -4,7 +4,7 @@ Each block is `x + attn(RMSNorm(x))`, then `x + mlp(RMSNorm(x))` with a dense Sw
 (`mlp_hidden=0` leaves the MLP out: an attention-only stack). DeepSeek-V4's MoE and its
 hyper-connections (several residual streams mixed per block) are out of scope: this model
 exists to run V4 attention and its cache end to end, not to load a whole V4 checkpoint
-(its attention layers do load, see `load_attention`).
+(its attention layers do load, see `v4kv_jax.interop.load_into`).
 
 Layer layout (`scan_layers=True`, the default): the kinds (from `compress_ratios`) are cut
 into groups of a repeated pattern, e.g. V4-Flash = [SWA] x 2, [CSA, HCA] x 20, [CSA] x 1. Each
@@ -31,7 +31,6 @@ from flax import nnx
 from v4kv_jax import checks, step
 from v4kv_jax.compressor import rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind
-from v4kv_jax.interop import convert, names
 from v4kv_jax.nn.attention import V4Attention, linear
 from v4kv_jax.pools import Cache
 
@@ -287,46 +286,18 @@ class Decoder(nnx.Module):
         cache, h = self.hidden(tokens, cache, slot_ids, n_new)
         return cache, self.logits(h)
 
-    # --- per-layer access (weights loading and export) ------------------------------------
+    # --- layout ----------------------------------------------------------------------------
 
-    def _locate(self, layer: int) -> tuple[Block, int | None]:
-        """The block holding `layer` and its index in the stack (None when unstacked)."""
+    def block_of(self, layer: int) -> tuple[Block, int | None]:
+        """The block holding layer `layer` and the layer's index in that block's stacked params
+        (None when the layers are unrolled: the block is the layer's own).
+
+        Raises:
+          ValueError: `layer` is not in [0, num_layers).
+        """
         for group, blocks in zip(self.layout, self.groups, strict=True):
             for j in range(len(group.pattern)):
                 if layer in group.layers(j):
                     return blocks[j], (group.layers(j).index(layer) if self.scan_layers
                                        else None)
         raise ValueError(f"layer={layer} must be in [0, {self.config.num_layers})")
-
-    def attention_params(self, layer: int) -> dict[str, np.ndarray]:
-        """{V4Attention path: array} of layer `layer` (see `v4kv_jax.interop.names`)."""
-        block, r = self._locate(layer)
-        state = convert.attention_state(block.attn)
-        return state if r is None else {k: v[r] for k, v in state.items()}
-
-    def load_attention(self, layer: int, params) -> None:
-        """Writes one layer's attention params {V4Attention path: array} (all of them)."""
-        block, r = self._locate(layer)
-        shapes = names.expected_shapes(self.config.attention, block.attn.kind)
-        convert.check_layer_params(params, shapes, block.attn.kind, where=f"layer {layer}")
-        for path, value in params.items():
-            param = convert.param_at(block.attn, path)
-            current = param[...]
-            value = jnp.asarray(value, current.dtype)
-            param[...] = value if r is None else current.at[r].set(value)
-
-    def set_norm(self, layer: int, attn_norm=None, mlp_norm=None) -> None:
-        """Sets the weights of layer `layer`'s pre-attention and pre-MLP RMSNorms."""
-        block, r = self._locate(layer)
-        for param, value in ((block.attn_norm, attn_norm), (block.mlp_norm, mlp_norm)):
-            if value is None:
-                continue
-            if param is None:
-                raise ValueError(f"layer {layer} has no MLP (mlp_hidden=0)")
-            current = param[...]
-            value = jnp.asarray(value, current.dtype)
-            want = current.shape if r is None else current.shape[1:]
-            if value.shape != want:
-                raise ValueError(f"norm weight of layer {layer} has shape {value.shape}; "
-                                 f"expected {want}")
-            param[...] = value if r is None else current.at[r].set(value)
