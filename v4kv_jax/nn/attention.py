@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from v4kv_jax import rope, step
+from v4kv_jax import checks, rope, step
 from v4kv_jax.attention import Queries
 from v4kv_jax.compressor import CompressorInput, CompressorParams, rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind
@@ -145,13 +146,16 @@ class V4Attention(nnx.Module):
                                         bias_scale=bias_scale)
                                 if self.kind == LayerKind.CSA else None)
 
+    def _check_input(self, x: jax.Array) -> None:
+        if x.ndim != 3 or x.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, T, "
+                             f"hidden_size={self.config.hidden_size}]")
+
     def vectors(self, x: jax.Array, positions: jax.Array
                 ) -> tuple[step.LayerVectors, Queries, step.LayerParams]:
         """The per-token vectors of SPEC section 2 for x [B, T, D] at positions i32[B, T]."""
         config, p = self.config, self.precision
-        if x.ndim != 3 or x.shape[-1] != config.hidden_size:
-            raise ValueError(f"x has shape {tuple(x.shape)}; expected [B, T, "
-                             f"hidden_size={config.hidden_size}]")
+        self._check_input(x)
         if positions.shape != x.shape[:2]:
             raise ValueError(f"positions has shape {tuple(positions.shape)}; expected "
                              f"{tuple(x.shape[:2])}")
@@ -202,3 +206,47 @@ class V4Attention(nnx.Module):
         cache, o = step.layer_step(cache, plan, ref, vectors, queries, params)
         return cache, grouped_output(o, self.o_a_proj[...], self.o_b_proj[...],
                                      self.config.o_groups, self.precision)
+
+    def step(self, x: jax.Array, cache: Cache, *, slot_ids, n_new, layer: int
+             ) -> tuple[Cache, jax.Array]:
+        """Runs this layer on its own over a chunk: `step.begin_append`, the layer (append to
+        layer `layer` of the cache and attend), `step.end_append`.
+
+        The cache may be one of a whole model: `layer` (static) picks the window ring and the
+        compressed-entry stacks this module reads and writes, and must be of the module's
+        kind. A slot's length is shared by every layer of the cache and this call advances
+        it, so the cache's other layers hold nothing for these tokens: a slot run through one
+        layer alone serves that layer only. To run several layers over the same tokens, use
+        a `Decoder`, or call `begin_append`, each layer's `__call__` and `end_append`.
+
+        Args:
+          x: f32[B, T, D], the layer's input (already normed) for the chunk's tokens; row b's
+            first n_new[b] tokens are appended to slot slot_ids[b], the rest are padding.
+          cache: a cache built for this module's attention config.
+          slot_ids: i32[B], distinct active slots (-1: a padding row that appends nothing).
+          n_new: i32[B] in [0, T].
+          layer: the layer's index in the cache's config.
+
+        Returns:
+          (cache, f32[B, T, D]) the layer output (no residual; rows past n_new are padding).
+          Inside jit a slot that could not append is flagged in `cache.state.status`, as with
+          `step.begin_append`.
+        """
+        if not isinstance(cache, Cache):
+            checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
+        if cache.model != self.config:
+            checks.fail("cache", "a cache built for the module's attention config",
+                        "a cache of another AttentionConfig")
+        ref = step.LayerRef.of(cache, layer)
+        if ref.kind != self.kind:
+            same = [i for i, k in enumerate(cache.model.layer_kinds) if k == self.kind]
+            checks.fail("layer", f"a {self.kind.name} layer like the module (the cache's "
+                        f"{self.kind.name} layers: {same})", f"{layer}, a {ref.kind.name} layer")
+        self._check_input(x)
+        for name, value in (("slot_ids", slot_ids), ("n_new", n_new)):
+            if np.shape(value) != x.shape[:1]:
+                checks.fail(name, f"shape ({x.shape[0]},) (one per row of x)",
+                            f"shape {np.shape(value)}")
+        cache, plan = step.begin_append(cache, slot_ids, n_new, x.shape[1])
+        cache, y = self(x, cache, plan, ref)
+        return step.end_append(cache, plan), y
