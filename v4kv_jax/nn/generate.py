@@ -7,6 +7,11 @@ settings (batch = `max_slots`, prompt buffer `max_prompt_len`, `prefill_chunk`,
 `max_new_tokens`), so every prompt length and every batch of up to `max_slots` prompts runs
 the same compiled program.
 
+The Generator is a client of the host lifecycle (`v4kv_jax.manager.SlotTable`): before each
+batch it releases the previous batch's requests and admits the prompts (request b = prompt
+b); the program runs on those slots (rows without a prompt are padding rows, slot id -1), and
+after it the table turns any slot flag into the manager's exception.
+
 The model is split once (`nnx.split`); its params and the cache are arguments of the jitted
 function, the cache donated, so the step updates the pools in place.
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -28,8 +34,9 @@ from flax import nnx
 
 from v4kv_jax import checks, pools
 from v4kv_jax.config import CacheConfig
+from v4kv_jax.manager import SlotTable
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
-from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.pools import Cache
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -39,25 +46,13 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Arr
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-def _fresh_slots(cache: Cache, slot_ids: jax.Array) -> Cache:
-    """Releases the pages of every slot in slot_ids and starts an empty sequence in each."""
-    for b in range(slot_ids.shape[0]):
-        cache = pools.reset_slot(pools.release_slot(cache, slot_ids[b]), slot_ids[b])
-    return cache
-
-
-_traces = 0  # how many times `_generate` was traced (each trace is one compiled program)
-
-
-def _generate(graphdef, params, cache: Cache, prompts: jax.Array, prompt_lengths: jax.Array,
-              key: jax.Array, temperature: jax.Array, eos_id: jax.Array, *,
-              max_new_tokens: int, prefill_chunk: int):
-    global _traces
-    _traces += 1  # Python code in a jitted function runs only while it is traced
+def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, params, cache: Cache,
+              slot_ids: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
+              key: jax.Array, temperature: jax.Array, eos_id: jax.Array):
+    """Row b prefills prompts[b, :prompt_lengths[b]] into slot_ids[b] (an empty slot), then
+    decodes; a row of length 0 (slot id -1) appends and reads nothing."""
     model = nnx.merge(graphdef, params)
     batch, buffer = prompts.shape
-    slot_ids = jnp.arange(batch, dtype=jnp.int32)
-    cache = _fresh_slots(cache, slot_ids)
     rows = jnp.arange(batch)
 
     def prefill(i, carry):
@@ -99,11 +94,6 @@ def _generate(graphdef, params, cache: Cache, prompts: jax.Array, prompt_lengths
     return cache, out
 
 
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "max_new_tokens",
-                                                     "prefill_chunk"),
-                        donate_argnames=("cache",))
-
-
 @dataclasses.dataclass
 class GenerationResult:
     """tokens: i32[B, max_new_tokens] (-1 after a row's last token); lengths: i32[B] tokens
@@ -119,6 +109,9 @@ class GenerationResult:
 class Generator:
     """Generates from a `Decoder` with its own cache of `geometry.max_slots` slots.
 
+    Each instance jits its own program and counts its traces (`traces`; one trace is one
+    compiled program); `Generator.compiled_programs()` sums them over the live instances.
+
     Args:
       model: the decoder (split once here; later changes to it are not seen).
       geometry: the cache geometry; `max_slots` is the batch, and every slot must hold
@@ -127,6 +120,8 @@ class Generator:
       max_new_tokens: tokens generated per prompt (fewer for a row that emits `eos_id`).
       prefill_chunk: tokens per prefill step.
     """
+
+    _live: weakref.WeakSet[Generator] = weakref.WeakSet()
 
     def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
                  max_new_tokens: int, prefill_chunk: int = 128):
@@ -144,18 +139,38 @@ class Generator:
         self.config = model.config
         self.graphdef, self.params = nnx.split(model)
         self.cache = pools.init_cache(model.config.attention, geometry)
+        self.table = SlotTable(geometry.max_slots)
         self.max_new_tokens = max_new_tokens
         self.prefill_chunk = min(prefill_chunk, max_prompt_len)
         self.buffer = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
         self.max_prompt_len = max_prompt_len
+        self._traces = [0]
+        self._program = jax.jit(
+            functools.partial(_count_trace, self._traces, _generate, self.graphdef,
+                              self.max_new_tokens, self.prefill_chunk),
+            donate_argnums=1)
+        Generator._live.add(self)
 
     @property
     def geometry(self) -> CacheConfig:
         return self.cache.geometry
 
+    @property
+    def traces(self) -> int:
+        """How many programs this generator has traced and compiled."""
+        return self._traces[0]
+
+    @classmethod
+    def compiled_programs(cls) -> int:
+        """How many programs the generators alive now have traced and compiled, together."""
+        return sum(gen.traces for gen in cls._live)
+
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
                  seed: int = 0, eos_id: int | None = None) -> GenerationResult:
         """Generates for up to `max_slots` prompts of 1..max_prompt_len tokens each.
+
+        The prompts are the requests 0..len(prompts)-1 of the generator's `SlotTable` (the
+        previous call's requests are released first) and stay admitted until the next call.
 
         Args:
           prompts: token ids per prompt.
@@ -168,6 +183,10 @@ class Generator:
         Raises:
           TypeError / ValueError naming the argument for bad prompts (not integer token ids,
           ids outside [0, vocab_size), empty or longer than max_prompt_len) or settings.
+          After the program, `SlotTable.flag_error` of the flagged prompts (as the manager):
+          `PoolExhaustedError` ("prompts [b, ...] could not append (['OUT_OF_PAGES'])...",
+          each shortfall counted for the prompt plus max_new_tokens - 1 tokens) when the pool
+          ran out, `SlotFlaggedError` for other flags.
         """
         batch = self.geometry.max_slots
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
@@ -188,32 +207,30 @@ class Generator:
                             "(max_prompt_len)", f"{p.size} tokens")
             buf[b, :p.size] = p
             lengths[b] = p.size
-        self.cache, out = self._run(buf, lengths, temperature, seed, eos_id)
+        self.cache = self.table.release_all(self.cache)
+        slot_ids = np.full((batch,), -1, np.int32)
+        for b in range(len(prompts)):
+            self.cache, slot_ids[b] = self.table.admit(self.cache, b)
+        self.cache, out = self._program(
+            self.params, self.cache, jnp.asarray(slot_ids), jnp.asarray(buf),
+            jnp.asarray(lengths), jax.random.PRNGKey(seed), jnp.float32(temperature),
+            jnp.int32(-1 if eos_id is None else eos_id))
+        wanted = {b: int(lengths[b]) + self.max_new_tokens - 1 for b in range(len(prompts))}
+        error = self.table.flag_error(self.cache, range(len(prompts)), wanted, noun="prompt")
+        if error is not None:
+            raise error
         out = np.asarray(out)[:len(prompts)]
-        status = np.asarray(self.cache.state.status)[:len(prompts)]
-        bad = [b for b, s in enumerate(status) if s not in (SlotStatus.ACTIVE, SlotStatus.FREE)]
-        if bad:
-            raise RuntimeError(
-                f"prompts {bad} could not append ({[SlotStatus(int(status[b])).name for b in bad]}"
-                f"): the Classical pool has {self.geometry.num_pages} pages for "
-                f"{batch} slots; grow num_pages")
         return GenerationResult(tokens=out, lengths=np.sum(out >= 0, axis=1).astype(np.int32))
-
-    def _run(self, buf, lengths, temperature, seed, eos_id):
-        return _generate_jit(
-            self.graphdef, self.params, self.cache, jnp.asarray(buf), jnp.asarray(lengths),
-            jax.random.PRNGKey(seed), jnp.float32(temperature),
-            jnp.int32(-1 if eos_id is None else eos_id),
-            max_new_tokens=self.max_new_tokens, prefill_chunk=self.prefill_chunk)
 
     def memory_report(self) -> pools.MemoryReport:
         return pools.memory_report(self.cache)
 
-    @staticmethod
-    def compiled_programs() -> int:
-        """How many programs the jitted loop has traced and compiled (all generators
-        together)."""
-        return _traces
+
+def _count_trace(counter: list[int], fn, *args):
+    """fn(*args), counting in counter[0] how often it runs: inside `jax.jit` the Python body
+    runs only while the function is traced, once per compiled program."""
+    counter[0] += 1
+    return fn(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
