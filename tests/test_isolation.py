@@ -228,13 +228,10 @@ def test_manager_calls_never_read_unowned_rows():
         mgr.cache = poison(mgr.cache)
         mgr.admit("c")
         prefill(["c", "b"], [2, 1], [30, 3])
-        slots = mgr.slots
-        rows = np.zeros(GEOMETRY.max_slots, int)
-        rows[slots["c"]], rows[slots["b"]] = 2, 1
+        rows = np.asarray([2, 1])  # one row per named request, in their order
         pos = done[rows]
-        outs.append(np.asarray(mgr.decode(data.take(pos, rows),
-                                          queries=data.stacked_queries(pos, rows)))[
-                                              :, [slots["c"], slots["b"]]])
+        outs.append(np.asarray(mgr.decode(data.take(pos, rows), requests=["c", "b"],
+                                          queries=data.stacked_queries(pos, rows))))
         return outs, owned_state(mgr.cache)
 
     clean = run(_poisoner(None))

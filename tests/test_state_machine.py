@@ -165,10 +165,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         requests = data.draw(st.lists(st.sampled_from(sorted(self.mgr.slots)), min_size=1,
                                       unique=True))
         lengths = self.mgr.lengths()
-        rows = np.zeros(GEOMETRY.max_slots, int)
-        pos = np.zeros(GEOMETRY.max_slots, int)
-        for r, s in self.mgr.slots.items():
-            rows[s], pos[s] = self.rows[r], lengths[r]
+        rows = [self.rows[r] for r in requests]  # one row per named request, in their order
+        pos = np.asarray([lengths[r] for r in requests])
         before = self._contents()
         fits = self._fits(dict.fromkeys(requests, 1))
         out, ok = self._attempt(lambda: self.mgr.decode(
@@ -176,9 +174,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert ok == fits
         if not ok:
             return
-        for r in requests:
+        for i, r in enumerate(requests):
             assert self.mgr.lengths()[r] == lengths[r] + 1
-            self._check_outputs(r, np.asarray(out)[:, self.mgr.slots[r]], lengths[r], 1)
+            self._check_outputs(r, np.asarray(out)[:, i], lengths[r], 1)
         self._check_untouched(before, set(requests))
 
     @precondition(lambda self: self.mgr.slots)
