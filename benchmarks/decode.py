@@ -26,10 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from measure import read_bandwidth, write_result
 
+from v4kv_jax import append, step, storage
 from v4kv_jax import config as cfg
-from v4kv_jax import step, synthetic
-from v4kv_jax.attention import Queries
-from v4kv_jax.config import LayerKind
+from v4kv_jax.testing import synthetic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -57,8 +56,8 @@ def timed(fn, *args, repeats: int):
 def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
     """Bytes one decode step must read: every visible indexer key, the k picked C4 entries,
     every visible C128 entry and the window, per CSA / HCA / every layer."""
-    e = cfg.itemsize(geometry.entry_dtype)
-    w = cfg.itemsize(geometry.window_dtype)
+    e = storage.row_bytes(1, geometry.entry_dtype)
+    w = storage.row_bytes(1, geometry.window_dtype)
     n_c4 = context // model.csa_ratio
     per_seq = (
         model.num_layers * model.window * model.head_dim * w
@@ -70,34 +69,12 @@ def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
 
 
 def make_v4_step(model):
-    n = model.num_layers
-
     def v4_step(cache, vectors, queries, weights):
-        cache, plan = step.begin_append(cache, jnp.arange(cache.geometry.max_slots),
-                                        jnp.ones((cache.geometry.max_slots,), jnp.int32), 1)
-        cache = step.append_layers(cache, plan, vectors, weights)
-        cache = step.end_append(cache, plan)
-        slots = plan.slot_ids
-        out = jnp.zeros((n, *queries.q.shape[1:]), jnp.float32)
-        for kind in LayerKind:
-            layers = model.layers_of(kind)
-            if not layers:
-                continue
-            glob = jnp.asarray(layers, jnp.int32)
-            xs = (glob, jnp.arange(len(layers), dtype=jnp.int32), queries.q[glob],
-                  queries.sink[glob])
-            if kind == LayerKind.CSA:
-                xs += (queries.index_q, queries.index_weights)
-
-            def body(_, x, kind=kind):
-                q = Queries(q=x[2], sink=x[3], index_q=x[4] if len(x) > 4 else None,
-                            index_weights=x[5] if len(x) > 4 else None)
-                ref = step.LayerRef(x[0], x[1], kind)
-                return None, step.decode_attention(cache, ref, q, slots)
-
-            _, o = jax.lax.scan(body, None, xs)
-            out = out.at[glob].set(o)
-        return cache, out
+        slots = jnp.arange(cache.geometry.max_slots)
+        cache, plan = append.begin_append(cache, slots, jnp.ones_like(slots), 1)
+        cache = append.append_layers(cache, plan, vectors, weights)
+        cache = append.end_append(cache, plan)
+        return cache, step.decode_attention_all(cache, queries, plan.slot_ids)
 
     return jax.jit(v4_step, donate_argnums=0)
 

@@ -35,9 +35,10 @@ import numpy as np
 from measure import copy_bandwidth, write_result
 
 from v4kv_jax import config as cfg
-from v4kv_jax import ops, synthetic
-from v4kv_jax.compressor import compressor_specs
+from v4kv_jax import ops, pools
 from v4kv_jax.config import LayerKind
+from v4kv_jax.layout import compressor_specs
+from v4kv_jax.testing import synthetic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_SIZES = dict(csa=(8192, 32768), hca=(32768, 131072), compress=(8192,))
@@ -110,29 +111,33 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> list[Row]:
 
     @jax.jit
     def scores(cache, queries):
-        return ops.index_scores(model, geometry, cache.classical.index_keys, 0, rows,
-                                queries.index_q[:, 0], queries.index_weights[:, 0], kv_end - 1,
-                                kv_end, **options)
+        return ops.index_scores(model, geometry, index_keys=pools.entries(cache, "csa_index"),
+                                layer=0, page_rows=rows, index_q=queries.index_q[:, 0],
+                                index_weights=queries.index_weights[:, 0], q_pos=kv_end - 1,
+                                kv_end=kv_end, **options)
 
     @jax.jit
     def decode(cache, queries):
         return ops.decode_attention(cache, LayerKind.CSA, 0, 0, queries, slots, kv_end - 1,
-                                    kv_end, **options)
+                                    kv_end, **options)[0]
 
-    picks = ops.index_topk(model, geometry, cache.classical.index_keys, 0, rows,
-                           queries.index_q[:, 0], queries.index_weights[:, 0], kv_end - 1, kv_end,
-                           implementation="reference")
+    picks = ops.index_topk(model, geometry, index_keys=pools.entries(cache, "csa_index"),
+                           layer=0, page_rows=rows, index_q=queries.index_q[:, 0],
+                           index_weights=queries.index_weights[:, 0], q_pos=kv_end - 1,
+                           kv_end=kv_end, implementation="reference")
 
     @jax.jit
     def sparse(cache, queries):
         return ops.sparse_decode_attention(
-            model, geometry, queries.q[:, 0], queries.sink, cache.state.window, 0, slots,
-            kv_end - 1, kv_end, cache.classical.c4, 0, rows, picks, **options)
+            model, geometry, q=queries.q[:, 0], sink=queries.sink,
+            window=pools.window_ring(cache), window_layer=0, slot_ids=slots, q_pos=kv_end - 1,
+            kv_end=kv_end, c4=pools.entries(cache, "csa"), c4_layer=0, page_rows=rows,
+            picks=picks, **options)
 
     key_bytes = batch * entries * model.index_head_dim * 2
     pick_bytes = batch * model.index_topk * (model.head_dim * 2 + 4)
     index_q = batch * model.index_heads * (model.index_head_dim + 1) * 4
-    impl = ops.selected(model, geometry, implementation, interpret)[0]
+    impl = ops.selected(model, None, implementation, interpret)[0]
     out = []
     for name, fn, nbytes in (
             ("indexer scores", scores, key_bytes + index_q + batch * entries * 4),
@@ -154,12 +159,13 @@ def bench_hca(batch, context, implementation, interpret, repeats) -> list[Row]:
     @jax.jit
     def dense(cache, queries):
         return ops.decode_attention(cache, LayerKind.HCA, 0, 0, queries, slots, kv_end - 1,
-                                    kv_end, implementation=implementation, interpret=interpret)
+                                    kv_end, implementation=implementation,
+                                    interpret=interpret)[0]
 
     nbytes = (batch * (context // model.hca_ratio) * model.head_dim * 2
               + _window_bytes(model, batch) + _query_bytes(model, batch))
     first, seconds = timed(dense, (cache, queries), repeats)
-    impl = ops.selected(model, geometry, implementation, interpret)[0]
+    impl = ops.selected(model, None, implementation, interpret)[0]
     return [Row("hca dense attention", impl, batch, context, first, seconds, nbytes)]
 
 
@@ -175,20 +181,22 @@ def bench_compress(tokens, implementation, interpret, repeats) -> list[Row]:
     rng = np.random.default_rng(0)
     kv = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
     gate = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
-    tail = cache.state.tail("csa")
+    tail = pools.tail(cache, "csa")
     zero = jnp.zeros((1,), jnp.int32)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def emit(pool, kv, gate):
-        return (ops.emit_entries(spec, model, geometry, pool, cache.pages.page_table,
-                                 jnp.zeros((1,), jnp.int32), tail.kv, tail.gate, zero, kv, gate,
-                                 zero, jnp.full((1,), tokens, jnp.int32),
-                                 jnp.ones((1, spec.width), jnp.float32),
+        return (ops.emit_entries(spec, model, geometry, pool=pool,
+                                 page_rows=cache.pages.page_table,
+                                 layers=jnp.zeros((1,), jnp.int32), tail_kv=tail.kv,
+                                 tail_gate=tail.gate, slot_ids=zero, kv=kv, gate=gate,
+                                 start=zero, n_new=jnp.full((1,), tokens, jnp.int32),
+                                 norm=jnp.ones((1, spec.width), jnp.float32),
                                  implementation=implementation, interpret=interpret),)
 
     nbytes = 2 * tokens * spec.in_width * 4 + (tokens // spec.ratio) * spec.width * 2
-    first, seconds = timed(emit, (jnp.copy(cache.classical.c4), kv, gate), repeats)
-    impl = ops.selected(model, geometry, implementation, interpret)[0]
+    first, seconds = timed(emit, (jnp.copy(pools.entries(cache, "csa")), kv, gate), repeats)
+    impl = ops.selected(model, None, implementation, interpret)[0]
     return [Row("compressor prefill (csa)", impl, 1, tokens, first, seconds, nbytes)]
 
 

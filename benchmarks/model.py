@@ -45,7 +45,7 @@ from flax import nnx
 from measure import read_bandwidth, write_result
 
 import v4kv_jax as v4
-from v4kv_jax import interop, step
+from v4kv_jax import append, interop
 from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.nn.attention import grouped_output
 
@@ -90,9 +90,9 @@ class V4Stack:
 
         def run(params, cache, x, n_new):
             m = nnx.merge(self.graphdef, params)
-            cache, plan = step.begin_append(cache, jnp.arange(batch), n_new, x.shape[1])
+            cache, plan = append.begin_append(cache, jnp.arange(batch), n_new, x.shape[1])
             cache, y = m.layers(x, cache, plan)
-            return step.end_append(cache, plan), y
+            return append.end_append(cache, plan), y
 
         self._run = jax.jit(run, donate_argnums=1)
 

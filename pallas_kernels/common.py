@@ -26,14 +26,34 @@ HIGHEST = jax.lax.Precision.HIGHEST
 MIN_DOT = 16  # smallest matmul dimension Triton accepts (GPU kernels pad up to it)
 
 
-def lane_frequencies(inv_freq: np.ndarray, width: int) -> np.ndarray:
+def lane_frequencies(inv_freq, width: int) -> jax.Array:
     """f32[1, width]: rotation frequency per lane; the rotated dims are the LAST 2 * len(f)."""
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
     r = 2 * inv_freq.shape[0]
     if r > width:
         raise ValueError(f"rope dims {r} exceed the row width {width}")
-    lanes = np.zeros((1, width), np.float32)
-    lanes[0, width - r:] = np.repeat(np.asarray(inv_freq, np.float32), 2)
-    return lanes
+    return jnp.concatenate([jnp.zeros((width - r,), jnp.float32),
+                            jnp.repeat(inv_freq, 2)])[None, :]
+
+
+def present_picks(page_rows: jax.Array, picks: jax.Array, entries_per_page: int) -> jax.Array:
+    """i32[B, k]: picks with -1 wherever the pick or its page is absent, so a kernel only
+    tests `pick >= 0` (entry i lives at page_rows[b, i // entries_per_page])."""
+    max_pages = page_rows.shape[1]
+    col = picks // entries_per_page
+    inside = (picks >= 0) & (col < max_pages)
+    page = jnp.take_along_axis(page_rows, jnp.clip(col, 0, max_pages - 1), axis=1)
+    return jnp.where(inside & (page >= 0), picks, -1).astype(jnp.int32)
+
+
+def candidate_scores(scores: jax.Array, q_pos: jax.Array, kv_end: jax.Array, ratio: int
+                     ) -> jax.Array:
+    """f32[B, capacity]: kernel scores with -inf for every id that is not a candidate (past
+    the visible entries, or masked by the kernel); ids the kernel did not visit held
+    whatever the output buffer held."""
+    visible = jnp.minimum((q_pos + 1) // ratio, kv_end // ratio)
+    ids = jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where((ids < visible[:, None]) & (scores > MASKED_BELOW), scores, -jnp.inf)
 
 
 def rotate_lanes(x: jax.Array, swapped: jax.Array, angle: jax.Array, inverse: bool = False

@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
-from v4kv_jax import oracle, step, synthetic
+from v4kv_jax import step
+from v4kv_jax.testing import oracle, synthetic
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # Enough indexer heads that exact-zero (ReLU) score ties are practically absent.
 MODEL = v4.tiny(index_heads=16)
-GEOMETRY = v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6, query_tile=16)
+GEOMETRY = v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6)
+OPTIONS = v4.Options(query_tile=16)  # two query tiles per chunk: the tiled path runs
 CHUNK = 32  # the one prefill chunk shape used by the tests
 
 
@@ -67,7 +69,7 @@ def new_cache(model=MODEL, geometry=GEOMETRY, slots=None):
 
 
 def run_chunks(cache, data: synthetic.SyntheticBatch, plan, rows=None, slot_ids=None,
-               chunk=CHUNK, with_attention=True):
+               chunk=CHUNK, with_attention=True, *, options=OPTIONS):
     """Feeds `data` rows into slots following `plan`, a list of per-row token counts per call.
 
     plan[i][b] tokens of row b go in call i (0 <= plan[i][b] <= chunk). Returns the cache and
@@ -85,12 +87,14 @@ def run_chunks(cache, data: synthetic.SyntheticBatch, plan, rows=None, slot_ids=
         vectors = data.take(positions(done, chunk), rows)
         if with_attention:
             queries = data.stacked_queries(positions(done, chunk), rows)
-            cache, o = step.forward(cache, vectors, queries, data.weights, slot_ids, counts)
+            cache, o = step.append_and_attend(cache, vectors, queries, data.weights, slot_ids,
+                                              counts, options=options)
             o = np.asarray(o)
             for b in range(len(rows)):
                 out[:, b, done[b]:done[b] + counts[b]] = o[:, b, :counts[b]]
         else:
-            cache = step.prefill(cache, vectors, data.weights, slot_ids, counts)
+            cache = step.prefill(cache, vectors, data.weights, slot_ids, counts,
+                                 options=options)
         done += counts
     return cache, out
 

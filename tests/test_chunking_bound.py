@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
-from v4kv_jax import synthetic
+from v4kv_jax.testing import synthetic
 
 from conftest import MODEL, chunk_plan, new_cache, run_chunks
 

@@ -82,10 +82,10 @@ def test_subcommands_called_directly_check_their_namespace():
     with pytest.raises(ValueError, match=r"--tokens: expected an integer in \[1, inf\]; got -5"):
         cli.memory(argparse.Namespace(preset="flash", tokens=-5, dtype="bfloat16"))
     with pytest.raises(ValueError, match=r"--dtype: expected one of \('float32', 'bfloat16', "
-                                         r"'float16'\); got fp8"):
+                                         r"'float16'\); got 'fp8'"):
         cli.memory(argparse.Namespace(preset="flash", tokens=5, dtype="fp8"))
     with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', 'tiny'\); "
-                                         "got huge"):
+                                         "got 'huge'"):
         cli.memory(argparse.Namespace(preset="huge", tokens=5, dtype="bfloat16"))
 
 

@@ -5,12 +5,14 @@ import numpy as np
 
 import v4kv_jax as v4
 from v4kv_jax import compressor as comp
-from v4kv_jax import oracle, rope
+from v4kv_jax import rope
 from v4kv_jax.config import LayerKind
+from v4kv_jax.layout import CompressorSpec
+from v4kv_jax.testing import oracle
 
 # width 8 with rope_dim 2: dims 0..5 are never rotated, so the numbers stay readable.
 MODEL = v4.tiny(head_dim=8, rope_dim=2, index_head_dim=8, num_heads=2, o_groups=1)
-CSA = comp.CompressorSpec("csa", LayerKind.CSA, 4, True, 8)
+CSA = CompressorSpec("csa", LayerKind.CSA, 4, True, 8)
 INV = rope.inv_frequencies(MODEL, LayerKind.CSA)  # the library's table, which it pools with
 ORACLE_INV = oracle.inv_frequencies(MODEL, LayerKind.CSA)  # the SPEC's, in float64
 

@@ -48,7 +48,7 @@ def test_kind_index_and_layers_of():
 
 @pytest.mark.parametrize("page_tokens", [64, 100, 200, 0])
 def test_page_size_must_be_multiple_of_128(page_tokens):
-    with pytest.raises(ValueError, match=f"page_tokens={page_tokens}"):
+    with pytest.raises(ValueError, match=f"page_tokens: expected .*; got {page_tokens}$"):
         v4.CacheConfig(num_pages=4, max_slots=1, max_pages_per_seq=2, page_tokens=page_tokens)
 
 
@@ -64,7 +64,7 @@ def test_bad_fields_name_the_argument():
         v4.tiny(compress_ratios=(0, 4, 8))
     with pytest.raises(ValueError, match="index_head_dim=4"):
         v4.tiny(index_head_dim=4)
-    with pytest.raises(ValueError, match="entry_dtype='int8'"):
+    with pytest.raises(ValueError, match="entry_dtype: expected one of .*; got 'int8'"):
         v4.CacheConfig(num_pages=4, max_slots=1, max_pages_per_seq=2, entry_dtype="int8")
     with pytest.raises(ValueError, match="num_heads=5"):
         v4.tiny(num_heads=5)
@@ -77,3 +77,16 @@ def test_configs_are_hashable_static_jit_arguments():
     assert int(f(jnp.int32(2), model)) == 10
     with pytest.raises(dataclasses.FrozenInstanceError):
         model.window = 3
+
+
+def test_options_are_checked_hashable_and_not_part_of_the_cache():
+    opts = v4.Options(implementation="reference", query_tile=16)
+    assert hash(opts) == hash(v4.Options(implementation="reference", query_tile=16))
+    with pytest.raises(ValueError, match="implementation: expected one of .*; got 'xla'"):
+        v4.Options(implementation="xla")
+    with pytest.raises(TypeError, match="interpret: expected a bool; got 'yes'"):
+        v4.Options(interpret="yes")
+    with pytest.raises(ValueError, match=r"query_tile: expected an integer in \[1, inf\]"):
+        v4.Options(query_tile=0)
+    geo = v4.CacheConfig(num_pages=4, max_slots=2, max_pages_per_seq=2)
+    assert not {"implementation", "interpret", "query_tile"} & set(vars(geo))

@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import pools, step, synthetic
+from v4kv_jax import append, pools, step
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
 from v4kv_jax.pools import SlotStatus
+from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY, MODEL
 
@@ -64,13 +65,13 @@ def test_core_rows_are_checked():
     ]
     for (slots, n_new), message in cases:
         with pytest.raises(ValueError, match=message):
-            step.forward(cache, vec, q, w, slots, n_new)
+            step.append_and_attend(cache, vec, q, w, slots, n_new)
         with pytest.raises(ValueError, match=message):
             v4.prefill(cache, vec, w, slots, n_new)
     with pytest.raises(TypeError, match=r"n_new: expected integers; got \[1.0, 2.0\]"):
         v4.prefill(cache, vec, w, [0, 1], [1.0, 2.0])
     with pytest.raises(ValueError, match=r"slot_ids: expected distinct"):
-        step.begin_append(cache, jnp.asarray([0, 0]), jnp.asarray([1, 1]), tokens=1)
+        append.begin_append(cache, jnp.asarray([0, 0]), jnp.asarray([1, 1]), tokens=1)
 
 
 def test_zero_length_chunk_and_missing_or_misshapen_inputs():
@@ -81,16 +82,16 @@ def test_zero_length_chunk_and_missing_or_misshapen_inputs():
                                          r"\(T >= 1\); got T=0"):
         v4.prefill(cache, empty, w, [0], [0])
     with pytest.raises(ValueError, match=r"tokens: expected an integer in \[1, inf\]; got 0"):
-        step.begin_append(cache, jnp.asarray([0]), jnp.asarray([0]), tokens=0)
+        append.begin_append(cache, jnp.asarray([0]), jnp.asarray([0]), tokens=0)
     vec = DATA.take(np.zeros((1, 2), int), [0])
     q = DATA.stacked_queries(np.zeros((1, 2), int), [0])
     with pytest.raises(ValueError, match=r"queries.index_q: expected an array of shape"):
-        step.forward(cache, vec, q.replace(index_q=None), w, [0], [2])
+        step.append_and_attend(cache, vec, q.replace(index_q=None), w, [0], [2])
     with pytest.raises(ValueError, match=r"queries.q: expected shape \(5, 1, 2, 4, 32\); got "
                                          r"shape \(5, 1, 2, 3, 32\)"):
-        step.forward(cache, vec, q.replace(q=q.q[:, :, :, :3]), w, [0], [2])
+        step.append_and_attend(cache, vec, q.replace(q=q.q[:, :, :, :3]), w, [0], [2])
     with pytest.raises(ValueError, match=r"queries.sink: expected shape \(5, 4\)"):
-        step.forward(cache, vec, q.replace(sink=q.sink[:, :2]), w, [0], [2])
+        step.append_and_attend(cache, vec, q.replace(sink=q.sink[:, :2]), w, [0], [2])
     bad_ape = w.replace(hca=w.hca.replace(ape=w.hca.ape[:, :-1]))
     with pytest.raises(ValueError, match=r"weights.hca.ape: expected shape \(2, 16, 32\); got "
                                          r"shape \(2, 15, 32\)"):
@@ -125,7 +126,7 @@ def test_slot_lifecycle_errors_and_the_way_out_of_a_flag():
                                          r"got slot 0 ACTIVE with length 0 and 0 page\(s\)"):
         v4.reset_slot(cache, 0)
     # A flagged slot appends nothing until clear_flags; its data never changed.
-    small = v4.CacheConfig(num_pages=1, max_slots=2, max_pages_per_seq=2, query_tile=16)
+    small = v4.CacheConfig(num_pages=1, max_slots=2, max_pages_per_seq=2)
     cache = v4.reset_slot(v4.init_cache(MODEL, small), 0)
     vec = DATA.take(np.arange(32)[None] + np.zeros((1, 1), int), [0])
     cache = v4.prefill(cache, vec, DATA.weights, [0], [32])
@@ -166,9 +167,9 @@ def test_reset_inside_jit_gives_back_the_pages_of_an_occupied_slot():
 
 @jax.jit
 def _jit_forward(cache, vectors, queries, weights, slot_ids, n_new):
-    cache, plan = step.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
-    cache, out = step.append_and_attend(cache, plan, vectors, queries, DATA.weights)
-    return step.end_append(cache, plan), out
+    cache, plan = append.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
+    cache, out = step.layers_step(cache, plan, vectors, queries, DATA.weights)
+    return append.end_append(cache, plan), out
 
 
 def test_bad_rows_inside_jit_write_nothing_read_nothing_and_flag_their_slot():
@@ -250,7 +251,7 @@ def test_generator_checks_its_settings_and_prompts(decoder):
         (dict(temperature=-0.5), ValueError, r"temperature: expected a number in \[0.0, inf\]; "
                                              r"got -0.5"),
         (dict(temperature=float("nan")), ValueError, r"temperature: expected a finite number"),
-        (dict(temperature="hot"), TypeError, r"temperature: expected a real number; got hot"),
+        (dict(temperature="hot"), TypeError, r"temperature: expected a real number; got 'hot'"),
         (dict(seed=1.5), TypeError, r"seed: expected an integer; got 1.5"),
         (dict(eos_id=VOCAB), ValueError, r"eos_id: expected an integer in \[0, 39\]; got 40"),
     ]
@@ -276,7 +277,7 @@ def test_padding_rows_with_slot_minus_one_are_accepted_and_inert():
     pos = np.zeros((2, 4), int) + np.arange(4)
     vec, q = DATA.take(pos, [0, 1]), DATA.stacked_queries(pos, [0, 1])
     before = _snapshot(cache)
-    cache, out = step.forward(cache, vec, q, DATA.weights, [0, -1], [4, 0])
+    cache, out = step.append_and_attend(cache, vec, q, DATA.weights, [0, -1], [4, 0])
     assert int(cache.state.lengths[0]) == 4
     assert not np.asarray(out)[:, 1].any()
-    _assert_same(before.state.window[:, 1:], np.asarray(cache.state.window[:, 1:]))
+    _assert_same(pools.window_ring(before)[:, 1:], np.asarray(pools.window_ring(cache)[:, 1:]))

@@ -87,7 +87,7 @@ def test_errors_name_the_tensor():
                              r"expects \(32, 64\)"):
         interop.attention_params(wrong, MODEL, LayerKind.HCA, "official", "layers.2.attn.")
     with pytest.raises(ValueError, match=r"layout: expected one of \('transformers', "
-                                         r"'official'\); got hf"):
+                                         r"'official'\); got 'hf'"):
         interop.attention_params(good, MODEL, LayerKind.HCA, "hf")
 
 

@@ -258,7 +258,7 @@ def test_attention_params_argument_errors():
 def test_checkpoint_tensors_errors():
     params = random_params(MODEL, LayerKind.HCA)
     with pytest.raises(ValueError, match=r"layout: expected one of \('transformers', "
-                                         r"'official'\); got hf"):
+                                         r"'official'\); got 'hf'"):
         interop.checkpoint_tensors(params, LayerKind.HCA, "hf")
     with pytest.raises(interop.CheckpointError, match=r"unknown V4Attention path\(s\) for a HCA "
                                                       r"layer: \['indexer\.q_b_proj'\]"):
@@ -343,9 +343,9 @@ def test_names_errors():
     with pytest.raises(ValueError, match="kind: expected a LayerKind .*; got 7"):
         names.names_for(7)
     assert names.names_for(1) == names.names_for(LayerKind.CSA)
-    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+    with pytest.raises(ValueError, match="layout: expected one of .*; got 'hf'"):
         names.TABLE[0].name("hf")
-    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+    with pytest.raises(ValueError, match="layout: expected one of .*; got 'hf'"):
         interop.layer_prefix("hf", 0)
     with pytest.raises(ValueError, match=r"layer: expected an integer in \[0, inf\]; got -1"):
         interop.layer_prefix("official", -1)
@@ -381,7 +381,7 @@ def test_read_attention_argument_errors(tmp_path):
         interop.read_attention(path, MODEL, layers=3)
     with pytest.raises(TypeError, match="config: expected an AttentionConfig; got dict"):
         interop.read_attention(path, {"hidden_size": 64})
-    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+    with pytest.raises(ValueError, match="layout: expected one of .*; got 'hf'"):
         interop.read_attention(path, MODEL, layout="hf")
     with pytest.raises(FileNotFoundError, match="no such file or directory"):
         interop.read_attention(tmp_path / "nope", MODEL)
@@ -420,7 +420,7 @@ def test_load_into_and_write_attention_errors(tmp_path):
     with pytest.raises(interop.CheckpointError, match=r"per_layer\[2\]: compressor\.ape has "
                                                       r"shape \(3, 32\); expected \(16, 32\)"):
         interop.write_attention(out, bad, MODEL, "official")
-    with pytest.raises(ValueError, match="layout: expected one of .*; got hf"):
+    with pytest.raises(ValueError, match="layout: expected one of .*; got 'hf'"):
         interop.write_attention(out, params, MODEL, "hf")
     with pytest.raises(TypeError, match="path: expected a str or os.PathLike; got 1"):
         interop.write_attention(1, params, MODEL, "official")

@@ -9,19 +9,18 @@ multiplying instead of `where` (0 * NaN = NaN), or a read of another request's r
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import step, synthetic
+from v4kv_jax import pools, step
 from v4kv_jax.manager import CacheManager
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
+from v4kv_jax.testing import synthetic
 
-from conftest import GEOMETRY, MODEL, positions
+from conftest import GEOMETRY, MODEL, OPTIONS, positions
 
 POISONS = {"none": None, "nan": float("nan"), "huge": 1e30}
 
@@ -36,34 +35,35 @@ def owned_state(cache) -> dict[str, np.ndarray]:
     """Every storage array with the rows no live request owns zeroed, plus the bookkeeping."""
     masks = synthetic.owned_masks(cache)
     out = {
-        "window": np.where(masks["window"], np.asarray(cache.state.window), 0),
+        "window": np.where(masks["window"], np.asarray(pools.window_ring(cache)), 0),
         "lengths": np.asarray(cache.state.lengths),
         "status": np.asarray(cache.state.status),
         "page_table": np.asarray(cache.pages.page_table),
         "refcount": np.asarray(cache.pages.refcount),
     }
     for spec in cache.specs:
-        tail = cache.state.tail(spec.name)
+        tail = pools.tail(cache, spec.name)
         for field in ("kv", "gate"):
             out[f"{spec.name}.{field}"] = np.where(masks[f"{spec.name}_tail"],
                                                    np.asarray(getattr(tail, field)), 0)
         out[f"{spec.name}.entries"] = np.where(masks[f"{spec.name}_entries"],
-                                               np.asarray(cache.classical.entries(spec.name)), 0)
+                                               np.asarray(pools.entries(cache, spec.name)), 0)
     return out
 
 
-def core_scenario(poison, geometry=GEOMETRY, rounds=(4, 3, 2)):
+def core_scenario(poison, options=OPTIONS, rounds=(4, 3, 2)):
     """Two requests prefill ragged chunks, one is released and its slot and pages go to a
     third request, then all decode. Returns every call's outputs and the final owned state."""
     data = synthetic.SyntheticBatch.draw(MODEL, 3, 300, seed=1)
     done = np.zeros(3, np.int64)
     outs = []
-    cache = poison(v4.init_cache(MODEL, geometry))
+    cache = poison(v4.init_cache(MODEL, GEOMETRY))
 
     def call(cache, rows, slots, counts, chunk):
         pos = positions(done[rows], chunk)
-        cache, o = step.forward(cache, data.take(pos, rows), data.stacked_queries(pos, rows),
-                                data.weights, slots, counts)
+        cache, o = step.append_and_attend(cache, data.take(pos, rows),
+                                          data.stacked_queries(pos, rows), data.weights, slots,
+                                          counts, options=options)
         done[rows] += counts
         outs.append(np.asarray(o))
         return poison(cache)
@@ -108,15 +108,15 @@ def test_poison_reaches_every_unowned_row():
     cache = v4.prefill(cache, data.span(0, 32), data.weights, [0], [30])
     cache = synthetic.poison_unowned(cache)
     # 30 tokens: window rows 0..29 of 16 are all owned; 7 C4 entries, 1 C128 entry (m' = 16).
-    assert not np.isnan(np.asarray(cache.state.window[:, 0])).any()
-    assert np.isnan(np.asarray(cache.state.window[:, 1:])).all()
+    assert not np.isnan(np.asarray(pools.window_ring(cache)[:, 0])).any()
+    assert np.isnan(np.asarray(pools.window_ring(cache)[:, 1:])).all()
     page = int(cache.pages.page_table[0, 0])
-    c4 = np.asarray(cache.classical.c4[:, page])
+    c4 = np.asarray(pools.entries(cache, "csa")[:, page])
     assert not np.isnan(c4[:, :7]).any() and np.isnan(c4[:, 7:]).all()
-    c128 = np.asarray(cache.classical.c128[:, page])
+    c128 = np.asarray(pools.entries(cache, "hca")[:, page])
     assert not np.isnan(c128[:, :1]).any() and np.isnan(c128[:, 1:]).all()
     others = np.delete(np.arange(GEOMETRY.num_pages), page)
-    assert np.isnan(np.asarray(cache.classical.c4[:, others])).all()
+    assert np.isnan(np.asarray(pools.entries(cache, "csa")[:, others])).all()
     # HCA tail ring (16 rows): positions 16..29 are the open block, rows 30 % 16.. are stale.
     hca = np.asarray(cache.state.hca.kv[:, 0])
     open_rows = np.arange(16, 30) % 16
@@ -126,18 +126,18 @@ def test_poison_reaches_every_unowned_row():
 
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
 def test_kernels_in_interpret_mode_never_read_unowned_rows(implementation):
-    geometry = dataclasses.replace(GEOMETRY, kernels=implementation, interpret_kernels=True)
+    options = v4.Options(implementation=implementation, interpret=True, query_tile=16)
     rounds = (1, 2, 1)
-    clean = core_scenario(_poisoner(None), geometry, rounds)
-    assert_runs_identical(clean, core_scenario(_poisoner(POISONS["nan"]), geometry, rounds))
+    clean = core_scenario(_poisoner(None), options, rounds)
+    assert_runs_identical(clean, core_scenario(_poisoner(POISONS["nan"]), options, rounds))
 
 
 def test_reference_and_kernels_agree_on_the_poisoned_scenario():
     """The kernel scenario above is the reference's too (so it exercises real values)."""
     rounds = (1, 2, 1)
-    ref_outs, _ = core_scenario(_poisoner(None), GEOMETRY, rounds)
-    geometry = dataclasses.replace(GEOMETRY, kernels="pallas_gpu", interpret_kernels=True)
-    gpu_outs, _ = core_scenario(_poisoner(POISONS["nan"]), geometry, rounds)
+    ref_outs, _ = core_scenario(_poisoner(None), OPTIONS, rounds)
+    options = v4.Options(implementation="pallas_gpu", interpret=True, query_tile=16)
+    gpu_outs, _ = core_scenario(_poisoner(POISONS["nan"]), options, rounds)
     for a, b in zip(ref_outs, gpu_outs, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -200,7 +200,7 @@ def test_generator_output_does_not_depend_on_what_its_cache_held(decoder):
         status = used.cache.state.status
         stale = used.cache.replace(state=used.cache.state.replace(status=jnp.zeros_like(status)))
         poisoned = synthetic.poison_unowned(stale, value)
-        assert np.isnan(np.asarray(poisoned.classical.c4)).all() == np.isnan(value)
+        assert np.isnan(np.asarray(pools.entries(poisoned, "csa"))).all() == np.isnan(value)
         used.cache = poisoned.replace(state=poisoned.state.replace(status=status))
         got = used.generate(prompts[1:])
         np.testing.assert_array_equal(got.tokens, want.tokens)

@@ -19,7 +19,7 @@ from v4kv_jax.nn.model import MLP
 
 MODEL = v4.tiny(index_heads=16)  # all three kinds; enough indexer heads to avoid score ties
 CONFIG = ModelConfig(MODEL, vocab_size=48, mlp_hidden=80)
-GEOMETRY = v4.CacheConfig(num_pages=12, max_slots=3, max_pages_per_seq=2, query_tile=16)
+GEOMETRY = v4.CacheConfig(num_pages=12, max_slots=3, max_pages_per_seq=2)
 MAX_PROMPT, MAX_NEW, CHUNK = 90, 12, 32
 
 
@@ -177,7 +177,7 @@ def test_bad_requests_are_clear_errors(model, generator):
 
 
 def test_pool_exhaustion_is_reported(model):
-    small = v4.CacheConfig(num_pages=2, max_slots=3, max_pages_per_seq=2, query_tile=16)
+    small = v4.CacheConfig(num_pages=2, max_slots=3, max_pages_per_seq=2)
     gen = Generator(model, small, max_prompt_len=MAX_PROMPT, max_new_tokens=2,
                     prefill_chunk=CHUNK)
     with pytest.raises(RuntimeError, match=r"prompts \[2\] could not append \(\['OUT_OF_PAGES'\]"):

@@ -21,16 +21,17 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import v4kv_jax as v4  # noqa: E402
-from v4kv_jax import interop, rope, step  # noqa: E402
+from v4kv_jax import append, interop, rope  # noqa: E402
 from v4kv_jax.config import LayerKind  # noqa: E402
 from v4kv_jax.interop import convert  # noqa: E402
 from v4kv_jax.interop.torch_reference import TransformersAttention  # noqa: E402
 from v4kv_jax.nn import Decoder, ModelConfig, V4Attention  # noqa: E402
+from v4kv_jax.vectors import LayerRef
 
 # m' = 16 so that 150 tokens cross 9 C128 blocks; 16 indexer heads keep ReLU ties away; top-k 8
 # of up to 37 C4 entries, so the indexer really selects.
 BASE = v4.tiny(index_heads=16, hca_ratio=16, window=16)
-GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=3, query_tile=16)
+GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=3)
 TOL = 1e-5
 LENGTH = 150
 CHUNK = 32  # the one padded chunk shape of the chunked runs (n_new varies)
@@ -45,9 +46,9 @@ def one_layer_config(kind: LayerKind, **overrides) -> v4.AttentionConfig:
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind"), donate_argnames=("cache",))
 def _layer_chunk(graphdef, params, cache, x, n_new, kind):
     module = nnx.merge(graphdef, params)
-    cache, plan = step.begin_append(cache, jnp.arange(x.shape[0]), n_new, x.shape[1])
-    cache, y = module(x, cache, plan, step.LayerRef(jnp.int32(0), jnp.int32(0), kind))
-    return step.end_append(cache, plan), y
+    cache, plan = append.begin_append(cache, jnp.arange(x.shape[0]), n_new, x.shape[1])
+    cache, y = module(x, cache, plan, LayerRef(jnp.int32(0), jnp.int32(0), kind))
+    return append.end_append(cache, plan), y
 
 
 def run_v4(module: V4Attention, x: np.ndarray, chunks, pad_to: int | None = None) -> np.ndarray:
@@ -147,9 +148,9 @@ def test_attention_stack_matches_transformers(scan_layers):
     @jax.jit
     def stack(params, cache, x, n_new):
         model = nnx.merge(graphdef, params)
-        cache, plan = step.begin_append(cache, jnp.arange(2), n_new, x.shape[1])
+        cache, plan = append.begin_append(cache, jnp.arange(2), n_new, x.shape[1])
         cache, y = model.layers(x, cache, plan)
-        return step.end_append(cache, plan), y
+        return append.end_append(cache, plan), y
 
     cache = v4.init_cache(config, GEOMETRY)
     cache = v4.reset_slot(v4.reset_slot(cache, 0), 1)

@@ -8,21 +8,21 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
-from v4kv_jax import oracle, synthetic
+from v4kv_jax.testing import oracle, synthetic
 
 from conftest import MODEL, assert_matches_oracle, chunk_plan, new_cache, oracle_atol, run_chunks
 
 # P = 128: 32 C4 entries / indexer keys and 8 C128 entries (m' = 16) per page. The indexer
 # scores 64 keys (2 pages) per step, the HCA read takes 8 entries (1 page) per step; with 4
 # pages per row the loops run 2 and 4 steps.
-GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4, query_tile=16,
-                          index_read_entries=64, hca_read_entries=8)
+GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4)
+OPTIONS = v4.Options(query_tile=16, index_read_entries=64, hca_read_entries=8)
 LENGTHS = [400, 270]
 
 
 def test_geometry_needs_several_read_chunks():
-    assert GEOMETRY.read_chunk_pages(GEOMETRY.index_read_entries, MODEL.csa_ratio) == 2
-    assert GEOMETRY.read_chunk_pages(GEOMETRY.hca_read_entries, MODEL.hca_ratio) == 1
+    assert OPTIONS.read_chunk_pages(GEOMETRY, OPTIONS.index_read_entries, MODEL.csa_ratio) == 2
+    assert OPTIONS.read_chunk_pages(GEOMETRY, OPTIONS.hca_read_entries, MODEL.hca_ratio) == 1
     # Row 0 reaches its 4th page: C128 entries in 4 chunks, indexer keys in 2.
     assert max(LENGTHS) // MODEL.hca_ratio > 3 * GEOMETRY.entries_per_page(MODEL.hca_ratio)
     assert max(LENGTHS) // MODEL.csa_ratio > 2 * GEOMETRY.entries_per_page(MODEL.csa_ratio)
@@ -31,7 +31,8 @@ def test_geometry_needs_several_read_chunks():
 @pytest.fixture(scope="module")
 def outputs():
     data = synthetic.SyntheticBatch.draw(MODEL, 2, max(LENGTHS), seed=21)
-    _, out = run_chunks(new_cache(MODEL, GEOMETRY), data, chunk_plan(LENGTHS, [32, 29, 32]))
+    _, out = run_chunks(new_cache(MODEL, GEOMETRY), data, chunk_plan(LENGTHS, [32, 29, 32]),
+                        options=OPTIONS)
     return data, out
 
 

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import v4kv_jax as v4  # noqa: E402
-from v4kv_jax import rope, step  # noqa: E402
+from v4kv_jax import append, pools, rope  # noqa: E402
 from v4kv_jax.config import LayerKind  # noqa: E402
 from v4kv_jax.interop import convert  # noqa: E402
 from v4kv_jax.interop.torch_reference import (  # noqa: E402
@@ -29,6 +29,7 @@ from v4kv_jax.interop.torch_reference import (  # noqa: E402
     transformers_config,
 )
 from v4kv_jax.nn import V4Attention  # noqa: E402
+from v4kv_jax.vectors import LayerRef  # noqa: E402
 
 THETAS = (1000.0, 2718.0, 10000.0, 54321.0, 160000.0, 500000.0, 1e6, 3.3e6, 1e7)
 ROPE_DIMS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -141,9 +142,9 @@ CACHE_TOL = 3e-6
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind"), donate_argnames=("cache",))
 def _append(graphdef, params, cache, x, n_new, kind):
     module = nnx.merge(graphdef, params)
-    cache, plan = step.begin_append(cache, jnp.arange(x.shape[0]), n_new, x.shape[1])
-    cache, y = module(x, cache, plan, step.LayerRef(jnp.int32(0), jnp.int32(0), kind))
-    return step.end_append(cache, plan), y
+    cache, plan = append.begin_append(cache, jnp.arange(x.shape[0]), n_new, x.shape[1])
+    cache, y = module(x, cache, plan, LayerRef(jnp.int32(0), jnp.int32(0), kind))
+    return append.end_append(cache, plan), y
 
 
 def logical_entries(cache, name: str, count: int) -> np.ndarray:
@@ -151,7 +152,7 @@ def logical_entries(cache, name: str, count: int) -> np.ndarray:
     spec = next(s for s in cache.specs if s.name == name)
     per_page = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[0])
-    pool = np.asarray(cache.classical.entries(name)[0])
+    pool = np.asarray(pools.entries(cache, name)[0])
     i = np.arange(count)
     return pool[table[i // per_page], i % per_page]
 
@@ -192,7 +193,7 @@ def test_window_ring_rows_equal_transformers(both_caches):
     _, cache, hf_layer, _, _ = both_caches
     w = CACHE_MODEL.window
     positions = np.arange(LENGTH - w + 1, LENGTH)  # transformers keeps the last W - 1 tokens
-    ring = np.asarray(cache.state.window[0, 0])[positions % w]
+    ring = np.asarray(pools.window_ring(cache)[0, 0])[positions % w]
     assert positions[0] > 600
     np.testing.assert_allclose(ring, hf_layer.keys[0, 0].numpy(), rtol=0, atol=CACHE_TOL)
 

@@ -31,13 +31,14 @@ from hypothesis.stateful import (
 )
 
 import v4kv_jax as v4
-from v4kv_jax import step, synthetic
+from v4kv_jax import step
 from v4kv_jax.manager import CacheManager, PoolExhaustedError
+from v4kv_jax.testing import synthetic
 
 from conftest import MODEL, hypothesis_examples, positions
 
 ROWS, MAX_LEN, CHUNK = 4, 384, 32
-GEOMETRY = v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=3, query_tile=16)
+GEOMETRY = v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=3)
 DATA = synthetic.SyntheticBatch.draw(MODEL, ROWS, MAX_LEN, seed=21)
 OPERATIONS = {"count": 0}
 
@@ -46,12 +47,11 @@ OPERATIONS = {"count": 0}
 def solo():
     """Each data row run alone in one call: (outputs [n_layers, ROWS, MAX_LEN, H, hd],
     [SlotContents per row])."""
-    geo = v4.CacheConfig(num_pages=ROWS * 3, max_slots=ROWS, max_pages_per_seq=3,
-                         query_tile=16)
+    geo = v4.CacheConfig(num_pages=ROWS * 3, max_slots=ROWS, max_pages_per_seq=3)
     cache = v4.init_cache(MODEL, geo)
     for s in range(ROWS):
         cache = v4.reset_slot(cache, s)
-    cache, out = step.forward(cache, DATA.span(0, MAX_LEN), DATA.stacked_queries(
+    cache, out = step.append_and_attend(cache, DATA.span(0, MAX_LEN), DATA.stacked_queries(
         positions(np.zeros(ROWS, int), MAX_LEN)), DATA.weights, np.arange(ROWS),
         np.full(ROWS, MAX_LEN))
     return np.asarray(out), [v4.read_slot(cache, s) for s in range(ROWS)]

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import v4kv_jax as v4
-from v4kv_jax import attention, oracle, paging, step, synthetic
+from v4kv_jax import append, attention, indexer, paging, pools, step
 from v4kv_jax.config import LayerKind
+from v4kv_jax.testing import oracle, synthetic
 
 from conftest import (
     CHUNK,
@@ -37,7 +38,7 @@ def logical_entries(cache, name: str, kind_layer: int, slot: int, count: int) ->
     spec = next(s for s in cache.specs if s.name == name)
     epp = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[slot])
-    pool = np.asarray(cache.classical.entries(name)[kind_layer])
+    pool = np.asarray(pools.entries(cache, name)[kind_layer])
     i = np.arange(count)
     return pool[table[i // epp], i % epp]
 
@@ -74,7 +75,7 @@ def test_l130_worked_example(spec_example):
     assert_matches_oracle(logical_entries(cache, "hca", 0, 0, 1), want,
                           oracle_atol(SPEC_MODEL, LayerKind.HCA, 0), err_msg="hca")
     # The window ring holds positions 2..129, each at row p % 128.
-    ring = np.asarray(cache.state.window[:, 0])
+    ring = np.asarray(pools.window_ring(cache)[:, 0])
     for p in range(2, 130):
         np.testing.assert_array_equal(ring[:, p % 128], data.window[:, 0, p])
     # CSA tail: first halves of 124..127 and the open block 128, 129 at rows p % 8.
@@ -103,22 +104,26 @@ def test_visibility_at_block_edges(spec_example):
     data, cache = spec_example
     q_pos = jnp.asarray([[2, 3, 126, 127]])
     queries = data.queries(1, np.asarray(q_pos))
-    picks = attention.select_topk(SPEC_MODEL, SPEC_GEOMETRY, cache.classical.index_keys, 0,
-                                  cache.pages.page_table[:1], queries, q_pos,
-                                  jnp.asarray([130]))
+    picks = indexer.index_topk(SPEC_MODEL, SPEC_GEOMETRY, v4.Options(),
+                               index_keys=pools.entries(cache, "csa_index"), layer=0,
+                               page_rows=cache.pages.page_table[:1], index_q=queries.index_q,
+                               index_weights=queries.index_weights, q_pos=q_pos,
+                               kv_end=jnp.asarray([130]))
     sets = [sorted(int(i) for i in row if i >= 0) for row in np.asarray(picks)[0]]
     assert sets == [[], [0], list(range(31)), list(range(32))]
     # HCA: t = 126 sees no C128 entry, t = 127 sees entry 0.
     hca_q = data.queries(2, np.asarray(q_pos)).replace(sink=jnp.asarray(data.sinks[2]))
-    ring = cache.state.window[2, :1]
+    ring = pools.window_ring(cache)[2, :1]
 
     def out(c128):
         return np.asarray(attention.attend(
-            SPEC_MODEL, SPEC_GEOMETRY, LayerKind.HCA, 0, c128, None,
-            cache.pages.page_table[:1], hca_q, q_pos, jnp.asarray([130]),
-            step._ordered_ring(ring, jnp.asarray([130])), jnp.asarray([2])))
+            SPEC_MODEL, SPEC_GEOMETRY, v4.Options(), LayerKind.HCA, layer=0, entries=c128,
+            page_rows=cache.pages.page_table[:1], q=hca_q.q, sink=hca_q.sink, q_pos=q_pos,
+            kv_end=jnp.asarray([130]),
+            window_keys=attention.ordered_window(ring, jnp.asarray([130])),
+            window_base=jnp.asarray([2])))
 
-    c128 = cache.classical.c128
+    c128 = pools.entries(cache, "hca")
     changed = c128.at[0, 0, 0].set(c128[0, 0, 0] * -3.0)
     a, b = out(c128), out(changed)
     np.testing.assert_array_equal(a[0, :3], b[0, :3])
@@ -130,9 +135,9 @@ def test_visibility_at_block_edges(spec_example):
 
 def _state_arrays(cache, slot: int) -> dict[str, np.ndarray]:
     return {
-        "window": np.asarray(cache.state.window[:, slot]),
-        **{f"{s.name}.kv": np.asarray(cache.state.tail(s.name).kv[:, slot]) for s in cache.specs},
-        **{f"{s.name}.gate": np.asarray(cache.state.tail(s.name).gate[:, slot])
+        "window": np.asarray(pools.window_ring(cache)[:, slot]),
+        **{f"{s.name}.kv": np.asarray(pools.tail(cache, s.name).kv[:, slot]) for s in cache.specs},
+        **{f"{s.name}.gate": np.asarray(pools.tail(cache, s.name).gate[:, slot])
            for s in cache.specs},
     }
 
@@ -191,12 +196,12 @@ def test_stored_state_follows_lengths(lengths, sizes, seed):
     held_ids = np.concatenate(held)
     assert len(set(held_ids.tolist())) == len(held_ids)
     assert int(cache.pages.num_free) == GEOMETRY.num_pages - len(held_ids)
-    ring = np.asarray(cache.state.window)
+    ring = np.asarray(pools.window_ring(cache))
     for s, L in enumerate(lengths):
         for p in range(max(0, L - W), L):
             np.testing.assert_array_equal(ring[:, s, p % W], data.window[:, s, p])
         for spec in cache.specs:
-            m, tail = spec.ratio, cache.state.tail(spec.name)
+            m, tail = spec.ratio, pools.tail(cache, spec.name)
             kv, gate = data.compressors[spec.name]
             params = getattr(data.weights, spec.name)
             ape, norm = np.asarray(params.ape), np.asarray(params.norm)
@@ -265,7 +270,7 @@ def test_decode_attention_after_decode_step_equals_layer_step():
     lengths = np.asarray([59, 20, 0])
     cache, _ = run_chunks(new_cache(), data, chunk_plan(lengths, [CHUNK]), with_attention=False)
     vectors = data.take(lengths)
-    via_forward, out = step.forward(jax.tree.map(jnp.copy, cache), vectors,
+    via_forward, out = step.append_and_attend(jax.tree.map(jnp.copy, cache), vectors,
                                     data.stacked_queries(lengths), data.weights, np.arange(3),
                                     np.ones(3, np.int32))
     cache = v4.decode_step(cache, vectors, data.weights)
@@ -288,19 +293,21 @@ def test_decode_attention_after_decode_step_equals_layer_step():
 def test_300_decode_steps_across_page_edges_compile_once():
     """Every step of a 320-token run (3 pages) reuses one trace of the decode update and one
     of the update + attention, whatever the lengths; the public entry points agree."""
-    geometry = v4.CacheConfig(num_pages=5, max_slots=2, max_pages_per_seq=3, query_tile=16)
+    geometry = v4.CacheConfig(num_pages=5, max_slots=2, max_pages_per_seq=3)
     data = synthetic.SyntheticBatch.draw(MODEL, 2, 320, seed=0)
-    update = jax.jit(chex.assert_max_traces(step._append_all, n=1), donate_argnums=0)
-    update_attend = jax.jit(chex.assert_max_traces(step._append_attend_all, n=1),
-                            donate_argnums=0)
+    update = step.jitted(chex.assert_max_traces(step._append_all, n=1))
+    update_attend = step.jitted(chex.assert_max_traces(step._append_attend_all, n=1))
+    options = v4.Options()
     cache = new_cache(MODEL, geometry)
     slots, one = jnp.arange(2), jnp.ones(2, jnp.int32)
     for p in range(320):
         if p % 2:
-            cache = update(cache, data.take(np.full(2, p)), data.weights, slots, one)
+            cache = update(cache, data.take(np.full(2, p)), data.weights, slots, one,
+                           options=options)
         else:
             cache, _ = update_attend(cache, data.take(np.full(2, p)),
-                                     data.stacked_queries([p, p]), data.weights, slots, one)
+                                     data.stacked_queries([p, p]), data.weights, slots, one,
+                                     options=options)
     assert int(cache.state.lengths[0]) == 320
     assert len(v4.inspect_slots(cache)[0].pages) == 3
     # The jitted public entry points: one compilation each across 100 more page-crossing steps.
@@ -308,8 +315,9 @@ def test_300_decode_steps_across_page_edges_compile_once():
     cache = new_cache(MODEL, geometry)
     for p in range(100, 260, 2):
         cache = v4.decode_step(cache, data.take(np.full(2, p)), data.weights)
-        cache, _ = step.forward(cache, data.take(np.full(2, p + 1)),
-                                data.stacked_queries([p + 1, p + 1]), data.weights, slots, one)
+        cache, _ = step.append_and_attend(cache, data.take(np.full(2, p + 1)),
+                                          data.stacked_queries([p + 1, p + 1]), data.weights,
+                                          slots, one)
     after = (step._append_all_jit._cache_size(), step._append_attend_all_jit._cache_size())
     assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
 
@@ -376,5 +384,5 @@ def test_vector_shape_errors_name_the_field():
 def test_write_ordering_dependency_keeps_values_bit_for_bit():
     x = jnp.asarray([-0.0, 0.0, jnp.nan, jnp.inf, -jnp.inf, 1.5, -3e-38], jnp.float32)
     for dep in (jnp.asarray([jnp.nan]), jnp.asarray([[2.0, 1.0]]), jnp.asarray([-jnp.inf])):
-        got = step._after(x, dep)
+        got = append.after(x, dep)
         np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(x).view(np.int32))

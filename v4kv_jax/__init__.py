@@ -1,8 +1,8 @@
 """v4kv_jax: the DeepSeek-V4 KV cache (Classical + State pools) and attention in JAX."""
 
-from v4kv_jax.attention import Queries, output_projection
-from v4kv_jax.compressor import CompressorInput, CompressorParams, CompressorWeights
-from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, flash, pro, tiny
+from v4kv_jax.append import AppendPlan, begin_append, end_append
+from v4kv_jax.attention import output_projection
+from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
@@ -16,24 +16,29 @@ from v4kv_jax.pools import (
     reset_slot,
 )
 from v4kv_jax.step import (
-    AppendPlan,
+    append_and_attend,
+    decode_attention,
+    decode_step,
+    layer_step,
+    layers_step,
+    prefill,
+)
+from v4kv_jax.vectors import (
+    CompressorInput,
+    CompressorParams,
+    CompressorWeights,
     LayerParams,
     LayerRef,
     LayerVectors,
+    Queries,
     TokenVectors,
-    begin_append,
-    decode_attention,
-    decode_step,
-    end_append,
-    layer_step,
-    prefill,
 )
 
 __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput", "CompressorParams",
     "CompressorWeights", "LayerKind", "LayerParams", "LayerRef", "LayerVectors", "MemoryReport",
-    "Queries", "SlotStatus", "TokenVectors", "begin_append", "clear_flags", "decode_attention",
-    "decode_step", "end_append", "flash", "init_cache", "inspect_slots", "layer_step",
-    "memory_report", "output_projection", "prefill", "pro", "read_slot", "release_slot",
-    "reset_slot", "tiny",
+    "Options", "Queries", "SlotStatus", "TokenVectors", "append_and_attend", "begin_append",
+    "clear_flags", "decode_attention", "decode_step", "end_append", "flash", "init_cache",
+    "inspect_slots", "layer_step", "layers_step", "memory_report", "output_projection", "prefill",
+    "pro", "read_slot", "release_slot", "reset_slot", "tiny",
 ]

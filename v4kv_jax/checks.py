@@ -43,7 +43,7 @@ def concrete(*values) -> bool:
 def integer(name: str, value, *, lo: int | None = None, hi: int | None = None) -> int:
     """A Python or numpy integer (not a bool, not a float) in [lo, hi]; returns it as int."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        fail(name, "an integer", value, TypeError)
+        fail(name, "an integer", repr(value), TypeError)
     value = int(value)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         fail(name, f"an integer in [{'-inf' if lo is None else lo}, "
@@ -55,7 +55,7 @@ def real(name: str, value, *, lo: float | None = None, hi: float | None = None,
          lo_open: bool = False) -> float:
     """A finite real number in [lo, hi] (or (lo, hi] with `lo_open`); returns it as float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        fail(name, "a real number", value, TypeError)
+        fail(name, "a real number", repr(value), TypeError)
     value = float(value)
     if not math.isfinite(value):
         fail(name, "a finite number", value)
@@ -70,7 +70,7 @@ def real(name: str, value, *, lo: float | None = None, hi: float | None = None,
 def one_of(name: str, value, choices: Iterable) -> None:
     choices = tuple(choices)
     if value not in choices:
-        fail(name, f"one of {choices}", value)
+        fail(name, f"one of {choices}", repr(value))
 
 
 def shape(name: str, x, expected: tuple) -> None:

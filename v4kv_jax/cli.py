@@ -38,8 +38,8 @@ def _mib(n: float) -> str:
 def demo(args) -> int:
     import jax
 
-    from v4kv_jax import oracle, synthetic
     from v4kv_jax.manager import CacheManager
+    from v4kv_jax.testing import oracle, synthetic
 
     _check_namespace(args, ("lengths", "decode_steps", "chunk", "pages", "seed", "new_tokens",
                             "vocab"))

@@ -1,4 +1,5 @@
-"""Compressors: m tokens become one entry (SPEC sections 3 and 4).
+"""Reference of the compressors (kernels: `pallas_kernels/compressor/`): m tokens become
+one entry (SPEC sections 3 and 4).
 
 There are three compressors per model, one array stack each:
   "csa"        main compressor of CSA layers:    ratio m,  overlap, entries of head_dim
@@ -15,101 +16,14 @@ alone, so a reset slot (length 0) never reads stale rows.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from v4kv_jax import paging, rope
-from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
+from v4kv_jax import paging, rope, storage
+from v4kv_jax.config import AttentionConfig, CacheConfig
+from v4kv_jax.layout import CompressorSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-@dataclasses.dataclass(frozen=True)
-class CompressorSpec:
-    name: str
-    kind: LayerKind
-    ratio: int
-    overlap: bool
-    width: int  # d_c, the entry width
-
-    @property
-    def in_width(self) -> int:
-        return 2 * self.width if self.overlap else self.width
-
-    @property
-    def ring(self) -> int:
-        return 2 * self.ratio if self.overlap else self.ratio
-
-    @property
-    def slots(self) -> int:
-        """Tokens pooled into one entry."""
-        return self.ring
-
-    def blocks_per_chunk(self, tokens: int) -> int:
-        """Static bound on blocks that complete while `tokens` tokens are appended."""
-        return -(-tokens // self.ratio)
-
-
-def compressor_specs(config: AttentionConfig) -> tuple[CompressorSpec, ...]:
-    return (
-        CompressorSpec("csa", LayerKind.CSA, config.csa_ratio, True, config.head_dim),
-        CompressorSpec("csa_index", LayerKind.CSA, config.csa_ratio, True, config.index_head_dim),
-        CompressorSpec("hca", LayerKind.HCA, config.hca_ratio, False, config.head_dim),
-    )
-
-
-@struct.dataclass
-class CompressorParams:
-    """Learned parameters the cache needs to pool entries (stacked over the kind's layers).
-
-    Attributes:
-      ape: f32[n, m, in_width], position bias added to the gate by t mod m.
-      norm: f32[n, width], weight of the entry RMSNorm.
-    """
-
-    ape: jax.Array
-    norm: jax.Array
-
-
-@struct.dataclass
-class CompressorWeights:
-    csa: CompressorParams
-    csa_index: CompressorParams
-    hca: CompressorParams
-
-    @classmethod
-    def init(cls, config: AttentionConfig, key: jax.Array | None = None,
-             scale: float = 0.5) -> CompressorWeights:
-        """Random ape (N(0, scale^2)) and norm weights (1 + N(0, 0.1^2)); `key=None` gives
-        zero ape and unit norms."""
-        params = {}
-        for i, spec in enumerate(compressor_specs(config)):
-            n = len(config.layers_of(spec.kind))
-            shape_ape, shape_norm = (n, spec.ratio, spec.in_width), (n, spec.width)
-            if key is None:
-                params[spec.name] = CompressorParams(
-                    jnp.zeros(shape_ape, jnp.float32), jnp.ones(shape_norm, jnp.float32))
-            else:
-                ka, kn = jax.random.split(jax.random.fold_in(key, i))
-                params[spec.name] = CompressorParams(
-                    scale * jax.random.normal(ka, shape_ape, jnp.float32),
-                    1.0 + 0.1 * jax.random.normal(kn, shape_norm, jnp.float32),
-                )
-        return cls(**params)
-
-
-@struct.dataclass
-class CompressorInput:
-    """Per-token compressor projections: kv = a_t, gate = z_t without the position bias.
-
-    Shapes [..., B, T, in_width]; a leading layer axis when given for all layers of a kind.
-    """
-
-    kv: jax.Array
-    gate: jax.Array
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
@@ -196,7 +110,7 @@ def _over_layers(fn, sequential: bool, *xs):
     return jax.vmap(fn)(*xs)
 
 
-def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig,
+def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig, *,
                  pool: jax.Array, page_rows: jax.Array, layers: jax.Array, tail_kv: jax.Array,
                  tail_gate: jax.Array, slot_ids: jax.Array, kv: jax.Array, gate: jax.Array,
                  start: jax.Array, n_new: jax.Array, norm: jax.Array) -> jax.Array:
@@ -221,8 +135,8 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
     block, done = completed_blocks(spec, start, n_new, tokens)
 
     def emit():
-        old_kv = tail_kv[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
-        old_gate = tail_gate[layers[:, None], slot_ids[None, :]].astype(jnp.float32)
+        old_kv = storage.decode(tail_kv[layers[:, None], slot_ids[None, :]])
+        old_gate = storage.decode(tail_gate[layers[:, None], slot_ids[None, :]])
         inv_freq = rope.inv_frequencies(config, spec.kind)
 
         def one_layer(tkv, tgate, ckv, cgate, weight):
@@ -238,4 +152,4 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
                                    geometry.entries_per_page(spec.ratio))
     page = jnp.where(page >= 0, page, pool.shape[1])  # absent -> out of bounds -> dropped
     return pool.at[layers[:, None, None], page[None], row[None]].set(
-        entries.astype(pool.dtype), mode="drop")
+        storage.encode(entries, pool), mode="drop")

@@ -17,7 +17,8 @@ import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
-import numpy as np
+
+from v4kv_jax import checks
 
 SUPERBLOCK_TOKENS = 128  # lcm(4, 128): pages are aligned to this in every layer kind.
 
@@ -175,46 +176,25 @@ class AttentionConfig:
         return self.rope_theta if kind == LayerKind.SWA else self.compress_rope_theta
 
 
+def _v4(first_two: int, num_layers: int, overrides: dict, **fields) -> AttentionConfig:
+    """A V4 release: layers 0-1 of ratio `first_two`, then CSA on even and HCA on odd layers;
+    head_dim 512 (64 RoPE dims), window 128, indexer 64 x 128."""
+    ratios = (first_two,) * 2 + tuple(4 if i % 2 == 0 else 128 for i in range(2, num_layers))
+    base = dict(head_dim=512, rope_dim=64, o_lora_rank=1024, window=128, index_heads=64,
+                index_head_dim=128, compress_ratios=ratios)
+    return AttentionConfig(**{**base, **fields, **overrides})
+
+
 def flash(**overrides) -> AttentionConfig:
     """DeepSeek-V4-Flash: 43 layers, 0-1 SWA, then CSA on even and HCA on odd layers."""
-    ratios = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
-    fields = dict(
-        hidden_size=4096,
-        num_heads=64,
-        head_dim=512,
-        rope_dim=64,
-        q_lora_rank=1024,
-        o_groups=8,
-        o_lora_rank=1024,
-        window=128,
-        compress_ratios=ratios,
-        index_heads=64,
-        index_head_dim=128,
-        index_topk=512,
-    )
-    fields.update(overrides)
-    return AttentionConfig(**fields)
+    return _v4(0, 43, overrides, hidden_size=4096, num_heads=64, q_lora_rank=1024, o_groups=8,
+               index_topk=512)
 
 
 def pro(**overrides) -> AttentionConfig:
     """DeepSeek-V4-Pro: 61 layers, 0-1 HCA, then CSA on even and HCA on odd layers."""
-    ratios = (128, 128) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 61))
-    fields = dict(
-        hidden_size=7168,
-        num_heads=128,
-        head_dim=512,
-        rope_dim=64,
-        q_lora_rank=1536,
-        o_groups=16,
-        o_lora_rank=1024,
-        window=128,
-        compress_ratios=ratios,
-        index_heads=64,
-        index_head_dim=128,
-        index_topk=1024,
-    )
-    fields.update(overrides)
-    return AttentionConfig(**fields)
+    return _v4(128, 61, overrides, hidden_size=7168, num_heads=128, q_lora_rank=1536,
+               o_groups=16, index_topk=1024)
 
 
 def tiny(**overrides) -> AttentionConfig:
@@ -241,15 +221,16 @@ def tiny(**overrides) -> AttentionConfig:
 
 PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 
-_DTYPES = ("float32", "bfloat16", "float16")
+STORAGE_FORMATS = ("float32", "bfloat16", "float16")
 
 # How the decode attention, the indexer and the compressor emission run (see `v4kv_jax.ops`).
-KERNEL_IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """Geometry and storage of the two pools.
+    """Geometry and storage of the two pools: what a `Cache` holds, nothing about how it is
+    computed (that is `Options`).
 
     Attributes:
       page_tokens: P, tokens per page; a multiple of 128 (and of both ratios).
@@ -257,17 +238,9 @@ class CacheConfig:
       max_slots: concurrent requests (rows of the State pool).
       max_pages_per_seq: length of a request's page-table row; the longest sequence is
         `max_pages_per_seq * page_tokens` tokens.
-      entry_dtype: storage of C4 entries, indexer keys and C128 entries.
-      window_dtype: storage of the sliding-window ring.
-      tail_dtype: storage of the compressor tails (the SPEC pools them in fp32).
-      index_read_entries: indexer keys the reference scores per loop step (rounded to whole
-        pages); the loop runs over used pages only, so its cost follows the context.
-      hca_read_entries: C128 entries the reference reads per loop step (whole pages).
-      query_tile: queries per tile in prefill attention (bounds memory, not results).
-      kernels: implementation of the CSA / HCA decode attention, the indexer and the
-        compressor emission: "auto" (Pallas on TPU and GPU, the jnp reference on CPU),
-        "reference", "pallas_tpu" or "pallas_gpu" (see `v4kv_jax.ops`).
-      interpret_kernels: run the Pallas kernels in interpret mode (tests on CPU).
+      entry_dtype: storage format of C4 entries, indexer keys and C128 entries.
+      window_dtype: storage format of the sliding-window ring.
+      tail_dtype: storage format of the compressor tails (the SPEC pools them in fp32).
     """
 
     num_pages: int
@@ -277,31 +250,15 @@ class CacheConfig:
     entry_dtype: str = "float32"
     window_dtype: str = "float32"
     tail_dtype: str = "float32"
-    index_read_entries: int = 4096
-    hca_read_entries: int = 512
-    query_tile: int = 64
-    kernels: str = "auto"
-    interpret_kernels: bool = False
 
     def __post_init__(self):
-        if self.page_tokens <= 0 or self.page_tokens % SUPERBLOCK_TOKENS:
-            raise ValueError(
-                f"page_tokens={self.page_tokens} must be a positive multiple of "
-                f"{SUPERBLOCK_TOKENS} (lcm of the compression ratios)"
-            )
-        for name in ("num_pages", "max_slots", "max_pages_per_seq", "query_tile",
-                     "index_read_entries", "hca_read_entries"):
-            value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
+        for name in ("num_pages", "max_slots", "max_pages_per_seq", "page_tokens"):
+            checks.integer(name, getattr(self, name), lo=1)
+        if self.page_tokens % SUPERBLOCK_TOKENS:
+            checks.fail("page_tokens", f"a positive multiple of {SUPERBLOCK_TOKENS} (lcm of the "
+                        "compression ratios)", self.page_tokens)
         for name in ("entry_dtype", "window_dtype", "tail_dtype"):
-            value = getattr(self, name)
-            if value not in _DTYPES:
-                raise ValueError(f"{name}={value!r} must be one of {_DTYPES}")
-        if self.kernels not in KERNEL_IMPLEMENTATIONS:
-            raise ValueError(f"kernels={self.kernels!r} must be one of {KERNEL_IMPLEMENTATIONS}")
-        if not isinstance(self.interpret_kernels, bool):
-            raise ValueError(f"interpret_kernels={self.interpret_kernels!r} must be a bool")
+            checks.one_of(name, getattr(self, name), STORAGE_FORMATS)
 
     @property
     def max_seq_len(self) -> int:
@@ -314,18 +271,53 @@ class CacheConfig:
         """Raises if the page size does not align with the model's compression ratios."""
         lcm = math.lcm(model.csa_ratio, model.hca_ratio)
         if self.page_tokens % lcm:
-            raise ValueError(
-                f"page_tokens={self.page_tokens} must be a multiple of "
-                f"lcm(csa_ratio, hca_ratio)={lcm}"
-            )
+            checks.fail("page_tokens", f"a multiple of lcm(csa_ratio, hca_ratio)={lcm}",
+                        self.page_tokens)
 
     def entries_per_page(self, ratio: int) -> int:
         return self.page_tokens // ratio
 
-    def read_chunk_pages(self, entries: int, ratio: int) -> int:
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """How the ops run, passed to the calls (static under jit); never part of a `Cache`, so
+    switching the implementation does not change the cache's type.
+
+    Attributes:
+      implementation: the CSA / HCA decode attention, the indexer and the compressor
+        emission: "auto" (Pallas on TPU and GPU, the jnp reference on CPU), "reference",
+        "pallas_tpu" or "pallas_gpu" (see `v4kv_jax.ops`).
+      interpret: run the Pallas kernels in interpret mode (tests on CPU).
+      index_read_entries: indexer keys the reference scores per loop step (rounded to whole
+        pages); the loop runs over used pages only, so its cost follows the context.
+      hca_read_entries: C128 entries the reference reads per loop step (whole pages).
+      query_tile: queries per tile in prefill attention (bounds memory, not results).
+    """
+
+    implementation: str = "auto"
+    interpret: bool = False
+    index_read_entries: int = 4096
+    hca_read_entries: int = 512
+    query_tile: int = 64
+
+    def __post_init__(self):
+        checks.one_of("implementation", self.implementation, IMPLEMENTATIONS)
+        if not isinstance(self.interpret, bool):
+            checks.fail("interpret", "a bool", repr(self.interpret), TypeError)
+        for name in ("index_read_entries", "hca_read_entries", "query_tile"):
+            checks.integer(name, getattr(self, name), lo=1)
+
+    def read_chunk_pages(self, geometry: CacheConfig, entries: int, ratio: int) -> int:
         """Pages per loop step when reading about `entries` entries of a kind with `ratio`."""
-        return max(1, entries // self.entries_per_page(ratio))
+        return max(1, entries // geometry.entries_per_page(ratio))
 
 
-def itemsize(dtype) -> int:
-    return int(np.dtype(jnp.dtype(dtype)).itemsize)
+DEFAULT_OPTIONS = Options()
+
+
+def options_or_default(options: Options | None) -> Options:
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, Options):
+        checks.fail("options", "a v4kv_jax Options", type(options).__name__, TypeError)
+    return options

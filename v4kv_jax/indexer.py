@@ -1,9 +1,14 @@
-"""The lightning indexer of CSA layers: scores over indexer keys and top-k (SPEC section 5).
+"""Reference of the lightning indexer of CSA layers (kernels: `pallas_kernels/indexer/`).
 
   I[t, i] = sum_h w[t, h] * ReLU(qi[t, h] . K[i]),   w = (W_iw x_t) * c^-0.5 * nI^-0.5
 
-Only entries i < (t + 1) // m are candidates. The top min(k, #valid) are kept; unused picks
-are -1 (`finish_topk`).
+Only entries i < (t + 1) // m that were written are candidates (`layout.visible_entries`).
+The top min(k, #candidates) are kept; unused picks are -1.
+
+  key_scores     the score math for given keys
+  index_scores   scores of every entry id of a paged row, -inf where not a candidate
+  topk_of_scores the picks of a score row
+  index_topk     index_scores, then topk_of_scores
 """
 
 from __future__ import annotations
@@ -11,10 +16,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from v4kv_jax import paging, storage
+from v4kv_jax.config import AttentionConfig, CacheConfig, Options
+from v4kv_jax.layout import visible_entries
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def index_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) -> jax.Array:
+def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) -> jax.Array:
     """Scores of every query against every key.
 
     Args:
@@ -29,15 +38,93 @@ def index_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) 
     if index_q.shape[1] == 1:
         # One query per slot (decode): heads last, so the dot, the ReLU and the weighted head
         # sum run as one fused pass over the keys on XLA:CPU (2.9x faster at 32k keys).
-        dots = jnp.einsum("bec,bnc->ben", keys.astype(jnp.float32),
+        dots = jnp.einsum("bec,bnc->ben", storage.decode(keys),
                           index_q[:, 0].astype(jnp.float32), precision=_HIGHEST)
         weights = index_weights[:, 0].astype(jnp.float32) * (n_heads**-0.5 * dim**-0.5)
         return jnp.sum(jax.nn.relu(dots) * weights[:, None, :], axis=-1)[:, None]
     dots = jnp.einsum("btnc,bec->btne", index_q.astype(jnp.float32),
-                      keys.astype(jnp.float32), precision=_HIGHEST)
+                      storage.decode(keys), precision=_HIGHEST)
     scores = jax.nn.relu(dots) * dim**-0.5
     weights = index_weights.astype(jnp.float32) * n_heads**-0.5
     return jnp.einsum("btne,btn->bte", scores, weights, precision=_HIGHEST)
+
+
+def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
+                 index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
+                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array) -> jax.Array:
+    """f32[B, T, capacity]: indexer score of every entry id, -inf where not a candidate.
+
+    Scores of the used pages are written chunk by chunk into the row (the loop runs over used
+    pages only); capacity is the page-table length rounded up to whole read chunks.
+
+    Args:
+      index_keys: the Classical pool's indexer keys [n_csa, pages, P // m, c].
+      layer: index into the CSA stack (may be traced).
+      page_rows: i32[B, max_pages_per_seq] page-table rows of the batch.
+      index_q: f32[B, T, nI, c]; index_weights: f32[B, T, nI].
+      q_pos: i32[B, T] query positions; kv_end: i32[B] tokens appended (entries beyond are
+        never read).
+    """
+    m = model.csa_ratio
+    epp = geometry.entries_per_page(m)
+    chunk_pages = options.read_chunk_pages(geometry, options.index_read_entries, m)
+    batch, tokens = q_pos.shape
+    visible = visible_entries(q_pos, kv_end, m)
+    capacity = paging.padded_pages(page_rows.shape[1], chunk_pages) * epp
+
+    def body(buf, page_ids, first):
+        keys, present = paging.gather_pages(index_keys, layer, page_ids)
+        idx = first + jnp.arange(keys.shape[1], dtype=jnp.int32)
+        # Keys of absent pages may hold anything (NaN included); `where` drops their scores.
+        scores = key_scores(index_q, index_weights, keys)
+        ok = (idx[None, None, :] < visible[..., None]) & present[:, None, :]
+        scores = jnp.where(ok, scores, -jnp.inf)
+        return jax.lax.dynamic_update_slice_in_dim(buf, scores, first, axis=2)
+
+    return paging.fold_page_chunks(
+        page_rows, kv_end // m, epp, chunk_pages, body,
+        jnp.full((batch, tokens, capacity), -jnp.inf, jnp.float32))
+
+
+def _bucket_sizes(capacity: int, smallest: int) -> list[int]:
+    """Power-of-two prefix sizes from `smallest` up to `capacity` (the last is capacity)."""
+    sizes, size = [], max(1, smallest)
+    while size < capacity:
+        sizes.append(size)
+        size *= 2
+    return sizes + [capacity]
+
+
+def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: int
+                   ) -> jax.Array:
+    """i32[B, T, k]: the top-k entry ids of a score row (-inf = not a candidate, -1 = unused).
+
+    One `lax.top_k` runs over the shortest power-of-two prefix (from `smallest` up) that holds
+    every entry id below max(num_entries), chosen at run time by `lax.switch`, so the
+    selection follows the context, not the capacity.
+
+    Args:
+      scores: f32[B, T, capacity].
+      num_entries: i32[B], entries written per row (ids at or past it are -inf).
+      k: picks per query.
+      smallest: the smallest prefix (one page of entries).
+    """
+    sizes = _bucket_sizes(scores.shape[-1], smallest)
+
+    def top_of(size):
+        def run(s):
+            if size <= k:  # every valid entry is picked; no selection needed
+                pad = ((0, 0), (0, 0), (0, k - size))
+                idx = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), s[..., :size].shape)
+                return (jnp.pad(s[..., :size], pad, constant_values=-jnp.inf),
+                        jnp.pad(idx, pad, constant_values=-1))
+            return tuple(jax.lax.top_k(s[..., :size], k))
+        return run
+
+    need = jnp.max(num_entries)
+    bucket = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
+    best = jax.lax.switch(bucket, [top_of(size) for size in sizes], scores)
+    return finish_topk(best)
 
 
 def finish_topk(best: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -45,3 +132,21 @@ def finish_topk(best: tuple[jax.Array, jax.Array]) -> jax.Array:
     entries are -inf: -1 where fewer than k entries were valid."""
     scores, idx = best
     return jnp.where(scores > -jnp.inf, idx, -1)
+
+
+def picks_from_scores(model: AttentionConfig, geometry: CacheConfig, scores: jax.Array,
+                      kv_end: jax.Array) -> jax.Array:
+    """i32[B, T, k]: the top-k picks of `index_scores` output (-1 = unused pick)."""
+    return topk_of_scores(scores, kv_end // model.csa_ratio, model.index_topk,
+                          geometry.entries_per_page(model.csa_ratio))
+
+
+def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, **arrays
+               ) -> jax.Array:
+    """i32[B, T, k]: the indexer's picks for each query; arguments as `index_scores`."""
+    scores = index_scores(model, geometry, options, **arrays)
+    return picks_from_scores(model, geometry, scores, arrays["kv_end"])
+
+
+__all__ = ["finish_topk", "index_scores", "index_topk", "key_scores", "picks_from_scores",
+           "topk_of_scores"]

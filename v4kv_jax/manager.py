@@ -387,17 +387,8 @@ class CacheManager:
     def _check_inputs(self, vectors: TokenVectors, queries: Queries | None, batch: int,
                       tokens: int | None = None) -> int:
         """Checks vectors (and queries) for `batch` rows of one chunk; returns its length T."""
-        if not isinstance(vectors, TokenVectors):
-            checks.fail("vectors", "a v4kv_jax TokenVectors", type(vectors).__name__,
-                        TypeError)
-        if tokens is None:
-            window = vectors.window
-            if window is None or np.ndim(window) != 4:
-                checks.fail("vectors.window", "an array [n_layers, B, T, head_dim]",
-                            None if window is None else f"shape {np.shape(window)}")
-            tokens = window.shape[2]
-            if tokens < 1:
-                checks.fail("vectors", "a chunk of at least one token (T >= 1)", f"T={tokens}")
+        length = step.chunk_length(vectors)
+        tokens = length if tokens is None else tokens
         step.check_vectors(self.cache, vectors, batch, tokens)
         if queries is not None:
             if not isinstance(queries, Queries):

@@ -140,6 +140,32 @@ def entry_pages(page_table_rows: jax.Array, entry_idx: jax.Array,
     return page, entry_idx % entries_per_page
 
 
+def gather_pages(pool: jax.Array, layer, page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows of whole pages of one layer, as stored: ([B, n * P/m, d], present bool[B, n * P/m]).
+
+    pool: [n_layers, num_pages, P // m, d]; page_ids: i32[B, n] (-1 = absent: its rows are
+    page 0's, marked not present, and must be masked by the caller with `where`).
+    """
+    batch, n = page_ids.shape
+    epp, dim = pool.shape[2], pool.shape[3]
+    rows = pool[layer, jnp.clip(page_ids, 0, None)].reshape(batch, n * epp, dim)
+    present = jnp.repeat(page_ids >= 0, epp, axis=1)
+    return rows, present
+
+
+def gather_entries(pool: jax.Array, layer, page_rows: jax.Array, entry_idx: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Stored rows of entries by index: ([B, ..., d], present bool[B, ...]).
+
+    pool: [n_layers, num_pages, P // m, d]; page_rows: i32[B, max_pages_per_seq]; entry_idx:
+    i32[B, ...] (negative = none). Absent entries read page 0's rows and are marked not
+    present (mask them with `where`).
+    """
+    page, row = entry_pages(page_rows, entry_idx, pool.shape[2])
+    present = (entry_idx >= 0) & (page >= 0)
+    return pool[layer, jnp.clip(page, 0, None), row], present
+
+
 def padded_pages(max_pages: int, chunk_pages: int) -> int:
     """Page-table length rounded up to whole read chunks (chunk_pages clamped to max_pages)."""
     chunk_pages = min(chunk_pages, max_pages)

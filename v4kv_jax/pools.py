@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import checks, paging
-from v4kv_jax.compressor import CompressorSpec, compressor_specs
-from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, itemsize
+from v4kv_jax import checks, paging, storage
+from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
+from v4kv_jax.layout import CompressorSpec, compressor_specs
 
 
 class SlotStatus(enum.IntEnum):
@@ -55,12 +55,6 @@ class ClassicalPool:
     index_keys: jax.Array
     c128: jax.Array
 
-    def entries(self, compressor: str) -> jax.Array:
-        return getattr(self, _ENTRY_FIELD[compressor])
-
-    def with_entries(self, compressor: str, value: jax.Array) -> ClassicalPool:
-        return self.replace(**{_ENTRY_FIELD[compressor]: value})
-
 
 @struct.dataclass
 class Tail:
@@ -77,9 +71,6 @@ class StatePool:
     csa_index: Tail
     hca: Tail
 
-    def tail(self, compressor: str) -> Tail:
-        return getattr(self, compressor)
-
 
 @struct.dataclass
 class Cache:
@@ -94,28 +85,76 @@ class Cache:
         return compressor_specs(self.model)
 
 
+# --- accessors: the only code that reaches pool storage by field name ----------------------
+
+
+def entries(cache: Cache, name: str) -> jax.Array:
+    """The Classical array of compressor `name` ("csa" C4 entries, "csa_index" indexer keys,
+    "hca" C128 entries): [n_kind_layers, num_pages, P // m, width], as stored."""
+    return getattr(cache.classical, _ENTRY_FIELD[name])
+
+
+def with_entries(cache: Cache, name: str, value: jax.Array) -> Cache:
+    return cache.replace(classical=cache.classical.replace(**{_ENTRY_FIELD[name]: value}))
+
+
+def window_ring(cache: Cache) -> jax.Array:
+    """The window rings [n_layers, max_slots, W, hd], as stored (position p at row p % W)."""
+    return cache.state.window
+
+
+def with_window_ring(cache: Cache, value: jax.Array) -> Cache:
+    return cache.replace(state=cache.state.replace(window=value))
+
+
+def tail(cache: Cache, name: str) -> Tail:
+    """The tail rings of compressor `name`: kv and gate [n_kind_layers, max_slots, ring,
+    in_width], as stored (position p at row p % ring; gate with the position bias added)."""
+    return getattr(cache.state, name)
+
+
+def with_tail(cache: Cache, name: str, value: Tail) -> Cache:
+    return cache.replace(state=cache.state.replace(**{name: value}))
+
+
+def lengths(cache: Cache) -> jax.Array:
+    """i32[max_slots]: tokens appended per slot."""
+    return cache.state.lengths
+
+
+def status(cache: Cache) -> jax.Array:
+    """i32[max_slots]: `SlotStatus` per slot."""
+    return cache.state.status
+
+
+def with_slots(cache: Cache, *, lengths=None, status=None) -> Cache:
+    """The cache with new per-slot lengths and / or statuses."""
+    fields = {k: v for k, v in (("lengths", lengths), ("status", status)) if v is not None}
+    return cache.replace(state=cache.state.replace(**fields))
+
+
 def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     """An empty cache: every slot free, every page free, all storage zero."""
     geometry.check_against(model)
     P, S = geometry.page_tokens, geometry.max_slots
-    entry_dt, tail_dt = geometry.dtype("entry"), geometry.dtype("tail")
-    entries, tails = {}, {}
+    entry_dt, tail_dt = storage.dtype(geometry.entry_dtype), storage.dtype(geometry.tail_dtype)
+    stored, tails = {}, {}
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
-        entries[_ENTRY_FIELD[spec.name]] = jnp.zeros(
+        stored[_ENTRY_FIELD[spec.name]] = jnp.zeros(
             (n, geometry.num_pages, P // spec.ratio, spec.width), entry_dt)
         tails[spec.name] = Tail(
             kv=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
             gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
         )
     return Cache(
-        classical=ClassicalPool(**entries),
+        classical=ClassicalPool(**stored),
         pages=paging.PageState.create(geometry.num_pages, S, geometry.max_pages_per_seq),
         state=StatePool(
             lengths=jnp.zeros((S,), jnp.int32),
             status=jnp.full((S,), SlotStatus.FREE, jnp.int32),
             window=jnp.zeros((model.num_layers, S, model.window, model.head_dim),
-                             geometry.dtype("window")),
+                             storage.dtype(geometry.window_dtype)),
             **tails,
         ),
         model=model,
@@ -162,7 +201,7 @@ def reset_slot(cache: Cache, slot) -> Cache:
         lengths=jnp.where(mask, 0, state.lengths),
         status=jnp.where(mask, SlotStatus.ACTIVE, state.status),
         window=clear(state.window),
-        **{s.name: jax.tree.map(clear, state.tail(s.name)) for s in cache.specs},
+        **{s.name: jax.tree.map(clear, tail(cache, s.name)) for s in cache.specs},
     )
     return cache.replace(state=state)
 
@@ -277,21 +316,21 @@ def read_slot(cache: Cache, slot: int) -> SlotContents:
     n = int(cache.state.lengths[slot])
     W = cache.model.window
     positions = np.arange(max(0, n - W), n)
-    window = np.asarray(cache.state.window[:, slot])[:, positions % W]
+    window = np.asarray(window_ring(cache)[:, slot])[:, positions % W]
     table = np.asarray(cache.pages.page_table[slot])
-    entries, tail_kv, tail_gate, tail_start = {}, {}, {}, {}
+    by_kind, tail_kv, tail_gate, tail_start = {}, {}, {}, {}
     for spec in cache.specs:
         epp = cache.geometry.entries_per_page(spec.ratio)
         idx = np.arange(n // spec.ratio)
-        pool = np.asarray(cache.classical.entries(spec.name))
-        entries[spec.name] = pool[:, table[idx // epp], idx % epp]
+        pool = np.asarray(entries(cache, spec.name))
+        by_kind[spec.name] = pool[:, table[idx // epp], idx % epp]
         first = max(0, (n // spec.ratio - (1 if spec.overlap else 0)) * spec.ratio)
         rows = np.arange(first, n) % spec.ring
-        tail = cache.state.tail(spec.name)
-        tail_kv[spec.name] = np.asarray(tail.kv[:, slot])[:, rows]
-        tail_gate[spec.name] = np.asarray(tail.gate[:, slot])[:, rows]
+        ring = tail(cache, spec.name)
+        tail_kv[spec.name] = np.asarray(ring.kv[:, slot])[:, rows]
+        tail_gate[spec.name] = np.asarray(ring.gate[:, slot])[:, rows]
         tail_start[spec.name] = first
-    return SlotContents(n, window, entries, tail_kv, tail_gate, tail_start)
+    return SlotContents(n, window, by_kind, tail_kv, tail_gate, tail_start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,17 +384,18 @@ def classical_bytes_per_token(model: AttentionConfig, entry_dtype: str) -> dict[
         n = len(model.layers_of(spec.kind))
         if n:
             per_token[spec.kind.name] = per_token.get(spec.kind.name, 0.0) + (
-                n * spec.width * itemsize(entry_dtype) / spec.ratio)
+                n * storage.row_bytes(spec.width, entry_dtype) / spec.ratio)
     per_token["total"] = sum(per_token.values())
     return per_token
 
 
 def state_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> int:
     """Fixed State bytes of one slot: window ring, compressor tails, length and status."""
-    total = model.num_layers * model.window * model.head_dim * itemsize(geometry.window_dtype)
+    total = model.num_layers * model.window * storage.row_bytes(model.head_dim,
+                                                               geometry.window_dtype)
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
-        total += 2 * n * spec.ring * spec.in_width * itemsize(geometry.tail_dtype)
+        total += 2 * n * spec.ring * storage.row_bytes(spec.in_width, geometry.tail_dtype)
     return total + 8
 
 
@@ -368,7 +408,7 @@ def memory_report(cache: Cache) -> MemoryReport:
     entry_bytes = 0
     for spec in cache.specs:
         n = len(model.layers_of(spec.kind))
-        one = spec.width * itemsize(geo.entry_dtype)
+        one = storage.row_bytes(spec.width, geo.entry_dtype)
         entry_bytes += int(n * one * np.sum((lengths // spec.ratio)[active]))
     refcount = np.asarray(cache.pages.refcount)
     used = int(np.sum(refcount > 0))
@@ -388,7 +428,7 @@ def memory_report(cache: Cache) -> MemoryReport:
 
 def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") -> int:
     """Bytes per token of an uncompressed cache of the same layers (one K=V vector per layer)."""
-    return model.num_layers * model.head_dim * itemsize(dtype)
+    return model.num_layers * storage.row_bytes(model.head_dim, dtype)
 
 
 __all__ = [

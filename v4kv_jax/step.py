@@ -1,20 +1,16 @@
-"""Appending tokens to the cache (decode and chunked prefill) and the per-layer attention.
+"""Reads and drivers: one layer's append + attention, every layer's, and the jitted steps.
 
-One mechanism serves decode (T = 1) and prefill (any T, any start length, any chunking):
+A model calls `append.begin_append`, then `layer_step` per layer (append that layer and
+attend), then `append.end_append`, since a layer's inputs depend on the layer below. With
+every layer's vectors up front, `layers_step` runs them all (a `lax.scan` per kind), and the
+jitted entry points run the whole step with the cache donated:
 
-  begin_append   validate lengths, take the pages the new tokens need (all or nothing per slot)
-  append_layers  per layer: window ring writes, compressor tail writes, and every block that
-                 completes is pooled and written into its page and row
-  end_append     advance the lengths
+  append_and_attend  append a chunk (prefill, or decode with T = 1) and attend in every layer
+  prefill            append a chunk to every layer, no attention
+  decode_step        append one token to every active slot, no attention
+  decode_attention   read one layer's attention of each slot's last token
 
-`decode_step` and `prefill` run the three over all layers, given every layer's token vectors
-(jitted, cache donated). A model calls `begin_append`, then `layer_step` per layer (append
-that layer and attend), then `end_append`, since a layer's inputs depend on the layer below.
-A slot that cannot get its pages, or would pass the configured maximum length, appends
-nothing at all and is flagged in `state.status`; other slots are unaffected.
-
-The compressor emission and the decode attention (T = 1) of CSA and HCA layers go through
-`ops`, which runs the jnp reference or a Pallas kernel as `CacheConfig.kernels` says.
+How the ops run (reference or Pallas kernels, read tiling) is `Options`, passed to the calls.
 """
 
 from __future__ import annotations
@@ -22,270 +18,44 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from v4kv_jax import checks, ops, paging
-from v4kv_jax import compressor as comp
-from v4kv_jax.attention import Queries, attend
-from v4kv_jax.compressor import CompressorInput, CompressorParams, CompressorWeights
-from v4kv_jax.config import LayerKind
+from v4kv_jax import append, attention, checks, indexer, ops, pools, storage
+from v4kv_jax import vectors as vec
+from v4kv_jax.append import AppendPlan, page_rows, read_slots
+from v4kv_jax.config import LayerKind, Options
+from v4kv_jax.config import options_or_default as _options
+from v4kv_jax.layout import specs_of
 from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.vectors import CompressorWeights, LayerRef, Queries, TokenVectors
 
 
-@struct.dataclass
-class TokenVectors:
-    """New-token vectors of every layer, stacked per kind.
-
-    Attributes:
-      window: [n_layers, B, T, hd], the window key/value RoPE_t(RMSNorm(W_kv x_t)).
-      csa: main compressor inputs of CSA layers, [n_csa, B, T, 2 hd] each.
-      csa_index: indexer compressor inputs of CSA layers, [n_csa, B, T, 2 c] each.
-      hca: compressor inputs of HCA layers, [n_hca, B, T, hd] each.
-    """
-
-    window: jax.Array
-    csa: CompressorInput
-    csa_index: CompressorInput
-    hca: CompressorInput
-
-    def compressor(self, name: str) -> CompressorInput:
-        return getattr(self, name)
-
-
-@struct.dataclass
-class LayerVectors:
-    """New-token vectors of ONE layer: window [B, T, hd]; compressor inputs [B, T, w] for CSA
-    (main and index) and HCA (main) layers, None otherwise."""
-
-    window: jax.Array
-    compressor: CompressorInput | None = None
-    index_compressor: CompressorInput | None = None
-
-
-@struct.dataclass
-class LayerParams:
-    """Cache-side params of ONE layer: compressor and index compressor (ape [m, w], norm [w])."""
-
-    compressor: CompressorParams | None = None
-    index_compressor: CompressorParams | None = None
-
-
-@struct.dataclass
-class LayerRef:
-    """Which layer: its kind (static), its global index (window ring) and its index in the
-    stack of its kind. Indices may be traced, e.g. inside a scan over layer groups."""
-
-    layer: jax.Array
-    kind_layer: jax.Array
-    kind: LayerKind = struct.field(pytree_node=False)
-
-    @classmethod
-    def of(cls, cache: Cache, layer: int) -> LayerRef:
-        layer = checks.integer("layer", layer, lo=0, hi=cache.model.num_layers - 1)
-        kind = cache.model.layer_kinds[layer]
-        return cls(jnp.int32(layer), jnp.int32(cache.model.kind_index(layer)), kind)
-
-
-@struct.dataclass
-class AppendPlan:
-    """Who appends how much in one step.
-
-    Attributes:
-      slot_ids: i32[B], the row's slot, or max_slots for a row that neither reads nor writes
-        any slot (its slot id was outside [0, max_slots), or the row broke a rule).
-      start: i32[B], the slot's length before the append (0 for such rows).
-      n_new: i32[B], tokens granted (0 for a row that appends nothing).
-    """
-
-    slot_ids: jax.Array
-    start: jax.Array
-    n_new: jax.Array
-
-    @property
-    def end(self) -> jax.Array:
-        return self.start + self.n_new
-
-    def positions(self, tokens: int) -> jax.Array:
-        """i32[B, T]: the absolute positions of the chunk's tokens (RoPE positions)."""
-        return self.start[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
-
-
-def page_rows(cache: Cache, slot_ids: jax.Array) -> jax.Array:
-    """i32[B, max_pages_per_seq]: the page-table rows of `slot_ids` (`paging.slot_rows`)."""
-    return paging.slot_rows(cache.pages, slot_ids)
-
-
-def _read_slots(cache: Cache, slot_ids: jax.Array) -> jax.Array:
-    """Slot ids clipped into [0, max_slots) for reads of per-slot State rows; callers mask
-    what a clipped row reads by its length (0 for rows that read nothing)."""
-    return jnp.clip(slot_ids, 0, cache.geometry.max_slots - 1)
-
-
-# --- the three phases ------------------------------------------------------------------------
-
-
-def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
-                 ) -> tuple[Cache, AppendPlan]:
-    """Takes the pages `n_new` more tokens need in each slot; flags slots that cannot append.
-
-    Device-side rules (they hold inside a caller's jit, where nothing can raise):
-      * a row whose slot id is outside [0, max_slots) (e.g. -1 for batch padding) appends
-        nothing and reads nothing (its attention output is zeros);
-      * a row naming a slot an earlier row of the call already named, a row with n_new
-        outside [0, tokens], and a row marked in `reject` append and read nothing, and their
-        slot is flagged REJECTED (unless FREE);
-      * a slot that is not ACTIVE (FREE or flagged) appends nothing;
-      * a slot whose pages do not fit appends nothing and is flagged OUT_OF_PAGES, one that
-        would pass `max_seq_len` OVER_CAPACITY (`pools.clear_flags` makes them ACTIVE).
-    Called with concrete arguments, the first two rules raise ValueError instead.
-
-    Args:
-      cache: the cache.
-      slot_ids: i32[B], distinct slots.
-      n_new: i32[B], tokens each slot appends (0 <= n_new <= tokens).
-      tokens: T, the static chunk length (>= 1).
-      reject: optional bool[B], rows the caller found invalid (e.g. token ids outside the
-        vocabulary).
-    """
-    geo = cache.geometry
-    S = geo.max_slots
-    tokens = checks.integer("tokens", tokens, lo=1)
-    if checks.concrete(slot_ids, n_new):
-        check_rows(cache, slot_ids, n_new, tokens)
-    slot_ids = jnp.asarray(slot_ids, jnp.int32)
-    n_new = jnp.asarray(n_new, jnp.int32)
-    in_range = (slot_ids >= 0) & (slot_ids < S)
-    row = jnp.arange(slot_ids.shape[0])
-    repeated = jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
-                       axis=1)
-    broken = repeated | (n_new < 0) | (n_new > tokens)
-    if reject is not None:
-        broken = broken | jnp.asarray(reject, bool)
-    ok = in_range & ~broken
-    ids = jnp.where(ok, slot_ids, S)
-    read = jnp.clip(ids, 0, S - 1)
-    status = jnp.where(ok, cache.state.status[read], SlotStatus.FREE)
-    start = jnp.where(ok, cache.state.lengths[read], 0)
-    wants = (n_new > 0) & (status == SlotStatus.ACTIVE)
-    over = start + n_new > geo.max_seq_len
-    max_new_pages = -(-tokens // geo.page_tokens) + 1
-    pages, granted = paging.allocate(cache.pages, ids, start + n_new, wants & ~over,
-                                     geo.page_tokens, max_new_pages)
-    flag = jnp.where(over, SlotStatus.OVER_CAPACITY, SlotStatus.OUT_OF_PAGES)
-    new_status = cache.state.status.at[ids].max(jnp.where(wants & ~granted, flag, status),
-                                                mode="drop")
-    # A broken row flags the slot it named, unless that slot is FREE (nothing to protect).
-    named = jnp.where(in_range & broken, slot_ids, S)
-    current = new_status[jnp.clip(named, 0, S - 1)]
-    new_status = new_status.at[named].max(
-        jnp.where(current != SlotStatus.FREE, SlotStatus.REJECTED, SlotStatus.FREE), mode="drop")
-    state = cache.state.replace(status=new_status)
-    plan = AppendPlan(slot_ids=ids, start=start, n_new=jnp.where(granted, n_new, 0))
-    return cache.replace(pages=pages, state=state), plan
-
-
-def end_append(cache: Cache, plan: AppendPlan) -> Cache:
-    lengths = cache.state.lengths.at[plan.slot_ids].add(plan.n_new, mode="drop")
-    return cache.replace(state=cache.state.replace(lengths=lengths))
-
-
-def _after(x: jax.Array, dep: jax.Array) -> jax.Array:
-    """x, bit for bit, data-dependent on `dep` through a term that is always +0 (NaN included;
-    x - (+0) keeps even -0) and that XLA cannot fold.
-
-    XLA:CPU puts an in-place write of a buffer after an earlier read of it only when the
-    written values depend on the read; otherwise (an optimization barrier does not help) it
-    copies the whole buffer, every step. Pass the read's result as `dep`.
-    """
-    d = dep.ravel()[0]
-    return x - ((d != d) & (d == d)).astype(x.dtype)
-
-
-def _write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
-                  ) -> Cache:
-    """window: [n, B, T, hd] for global layers `layers` i32[n]."""
-    W = cache.model.window
-    tokens = window.shape[2]
-    j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
-    n = plan.n_new[:, None]
-    keep = (j < n) & (j >= n - W)  # each ring row written at most once
-    row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
-    ring = cache.state.window.at[layers[:, None, None], plan.slot_ids[None, :, None],
-                                 row[None]].set(window.astype(cache.state.window.dtype),
-                                                mode="drop")
-    return cache.replace(state=cache.state.replace(window=ring))
-
-
-def _append_compressor(cache: Cache, plan: AppendPlan, spec: comp.CompressorSpec,
-                       layers: jax.Array, inputs: CompressorInput, params: CompressorParams
-                       ) -> Cache:
-    """Tail writes and entry emission of one compressor for the layers `layers` (kind stack
-    indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width]."""
+def _attend_chunk(cache: Cache, ref: LayerRef, rows: jax.Array, queries: Queries,
+                  q_pos: jax.Array, kv_end: jax.Array, window_keys: jax.Array,
+                  window_base: jax.Array, options: Options
+                  ) -> tuple[jax.Array, jax.Array | None]:
+    """(attention [B, T, H, hd], CSA picks [B, T, k] or None) of a chunk's queries (prefill:
+    the reference; there are no prefill kernels)."""
     model, geo = cache.model, cache.geometry
-    tokens = inputs.kv.shape[2]
-    positions = plan.positions(tokens)
-    kv = inputs.kv.astype(jnp.float32)
-    gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
-                                                                              params.ape)
-    tail = cache.state.tail(spec.name)
-    pool = ops.emit_entries(
-        spec, model, geo, cache.classical.entries(spec.name), page_rows(cache, plan.slot_ids),
-        layers, tail.kv, tail.gate, _read_slots(cache, plan.slot_ids), kv, gate, plan.start,
-        plan.n_new, params.norm)
-
-    ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
-    idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
-    # The emission read the tails: the writes below must come after it.
-    new_tail = tail.replace(
-        kv=tail.kv.at[idx].set(_after(kv, pool).astype(tail.kv.dtype), mode="drop"),
-        gate=tail.gate.at[idx].set(_after(gate, pool).astype(tail.gate.dtype), mode="drop"),
-    )
-    return cache.replace(
-        classical=cache.classical.with_entries(spec.name, pool),
-        state=cache.state.replace(**{spec.name: new_tail}),
-    )
+    entries = picks = None
+    if ref.kind == LayerKind.CSA:
+        entries = pools.entries(cache, "csa")
+        picks = indexer.index_topk(model, geo, options,
+                                   index_keys=pools.entries(cache, "csa_index"),
+                                   layer=ref.kind_layer, page_rows=rows, index_q=queries.index_q,
+                                   index_weights=queries.index_weights, q_pos=q_pos,
+                                   kv_end=kv_end)
+    elif ref.kind == LayerKind.HCA:
+        entries = pools.entries(cache, "hca")
+    out = attention.attend(model, geo, options, ref.kind, layer=ref.kind_layer,
+                           entries=entries, page_rows=rows, q=queries.q, sink=queries.sink,
+                           q_pos=q_pos, kv_end=kv_end, window_keys=window_keys,
+                           window_base=window_base, picks=picks)
+    return out, picks
 
 
-def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
-                  weights: CompressorWeights) -> Cache:
-    """Appends the planned tokens to every layer."""
-    model = cache.model
-    cache = _write_window(cache, plan, jnp.arange(model.num_layers, dtype=jnp.int32),
-                          vectors.window)
-    for spec in cache.specs:
-        n = len(model.layers_of(spec.kind))
-        if n:
-            cache = _append_compressor(cache, plan, spec, jnp.arange(n, dtype=jnp.int32),
-                                       vectors.compressor(spec.name),
-                                       getattr(weights, spec.name))
-    return cache
-
-
-# --- attention --------------------------------------------------------------------------------
-
-
-def _ordered_ring(ring: jax.Array, length: jax.Array) -> jax.Array:
-    """[B, W, hd] ring -> keys ordered by position: key e is position length - W + e."""
-    W = ring.shape[1]
-    e = jnp.arange(W, dtype=jnp.int32)[None, :]
-    rows = (length[:, None] - W + e) % W
-    return jnp.take_along_axis(ring, rows[..., None], axis=1)
-
-
-def _attend_layer(cache: Cache, ref: LayerRef, page_rows, queries: Queries, q_pos, kv_end,
-                  window_keys, window_base):
-    kind = ref.kind
-    entries = index_keys = None
-    if kind == LayerKind.CSA:
-        entries, index_keys = cache.classical.c4, cache.classical.index_keys
-    elif kind == LayerKind.HCA:
-        entries = cache.classical.c128
-    return attend(cache.model, cache.geometry, kind, ref.kind_layer, entries, index_keys,
-                  page_rows, queries, q_pos, kv_end, window_keys, window_base)
-
-
-def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVectors,
-                        queries: Queries, params: LayerParams) -> None:
+def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
+                        vectors: vec.LayerVectors, queries: Queries, params: vec.LayerParams
+                        ) -> None:
     """Shape checks of one layer's inputs (static: they run inside jit too)."""
     model = cache.model
     batch = plan.slot_ids.shape[0]
@@ -311,60 +81,63 @@ def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: 
         _float_field(f"params.{field}.norm", p.norm, (spec.width,))
 
 
-def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVectors,
-               queries: Queries, params: LayerParams) -> tuple[Cache, jax.Array]:
+def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.LayerVectors,
+               queries: Queries, params: vec.LayerParams, *, options: Options | None = None,
+               with_picks: bool = False):
     """Appends one layer's chunk and computes its attention for the chunk's queries.
 
     Args:
-      cache: after `begin_append`.
-      plan: from `begin_append`.
+      cache: after `append.begin_append`.
+      plan: from `append.begin_append`.
       ref: the layer.
       vectors: the layer's new-token vectors [B, T, ...].
       queries: the layer's queries for the same T tokens.
       params: the layer's compressor params.
+      options: how the ops run (default `Options()`).
+      with_picks: also return the CSA indexer's picks.
 
     Returns:
       (cache, f32[B, T, H, hd]) the de-rotated attention output (rows of tokens past a slot's
-      n_new are padding).
+      n_new are padding); with `with_picks`, (cache, output, picks i32[B, T, k] for a CSA
+      layer (-1 = unused pick), None otherwise).
     """
-    model, geo = cache.model, cache.geometry
+    options = _options(options)
+    model = cache.model
     _check_layer_inputs(cache, plan, ref, vectors, queries, params)
     tokens = vectors.window.shape[1]
     W = model.window
     new_window = vectors.window
     if tokens > 1:
         # Prefill attends over the window as it was before the chunk: read it first.
-        old_ring = cache.state.window[ref.layer, _read_slots(cache, plan.slot_ids)]
-        new_window = _after(new_window, old_ring)
-    cache = _write_window(cache, plan, ref.layer[None], new_window[None])
-    kind_layers = ref.kind_layer[None]
-    if ref.kind == LayerKind.CSA:
-        specs = {s.name: s for s in cache.specs}
-        for name, inp, p in (("csa", vectors.compressor, params.compressor),
-                             ("csa_index", vectors.index_compressor, params.index_compressor)):
-            cache = _append_compressor(
-                cache, plan, specs[name], kind_layers, jax.tree.map(lambda x: x[None], inp),
-                jax.tree.map(lambda x: x[None], p))
-    elif ref.kind == LayerKind.HCA:
-        spec = next(s for s in cache.specs if s.name == "hca")
-        cache = _append_compressor(
-            cache, plan, spec, kind_layers, jax.tree.map(lambda x: x[None], vectors.compressor),
-            jax.tree.map(lambda x: x[None], params.compressor))
+        old_ring = pools.window_ring(cache)[ref.layer, read_slots(cache, plan.slot_ids)]
+        new_window = append.after(new_window, old_ring)
+    cache = append.write_window(cache, plan, ref.layer[None], new_window[None])
+    per_kind = {"csa": (vectors.compressor, params.compressor),
+                "csa_index": (vectors.index_compressor, params.index_compressor),
+                "hca": (vectors.compressor, params.compressor)}
+    for spec in specs_of(model, ref.kind):
+        inp, p = per_kind[spec.name]
+        cache = append.append_compressor(
+            cache, plan, spec, ref.kind_layer[None], jax.tree.map(lambda x: x[None], inp),
+            jax.tree.map(lambda x: x[None], p), options)
 
     if tokens == 1:
         # Decode: the ring and the pools now hold the new token; read them like any decode.
-        return cache, _decode_attention(cache, ref, queries, plan.slot_ids, plan.end)
+        out, picks = ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
+                                          plan.slot_ids, plan.end - 1, plan.end, options)
+        return (cache, out, picks) if with_picks else (cache, out)
 
     rows = page_rows(cache, plan.slot_ids)
     extended = jnp.concatenate(
-        [_ordered_ring(old_ring, plan.start), vectors.window.astype(old_ring.dtype)], axis=1)
+        [attention.ordered_window(old_ring, plan.start),
+         storage.encode(vectors.window, old_ring)], axis=1)
     q_pos = plan.positions(tokens)
-    tile = min(geo.query_tile, tokens)
+    tile = min(options.query_tile, tokens)
     n_tiles = -(-tokens // tile)
     if n_tiles == 1:
-        out = _attend_layer(cache, ref, rows, queries, q_pos, plan.end, extended,
-                            plan.start - W)
-        return cache, out
+        out, picks = _attend_chunk(cache, ref, rows, queries, q_pos, plan.end, extended,
+                                   plan.start - W, options)
+        return (cache, out, picks) if with_picks else (cache, out)
 
     pad = n_tiles * tile - tokens
     extended = jnp.pad(extended, ((0, 0), (0, pad), (0, 0)))
@@ -378,15 +151,22 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: LayerVect
     def one_tile(args):
         i, q_tile, pos_tile = args
         keys = jax.lax.dynamic_slice_in_dim(extended, i * tile, W + tile, axis=1)
-        return _attend_layer(cache, ref, rows, q_tile.replace(sink=queries.sink),
-                             pos_tile, plan.end, keys, plan.start - W + i * tile)
+        return _attend_chunk(cache, ref, rows, q_tile.replace(sink=queries.sink), pos_tile,
+                             plan.end, keys, plan.start - W + i * tile, options)
 
-    out = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
-    out = out.swapaxes(0, 1).reshape(out.shape[1], n_tiles * tile, *out.shape[3:])
-    return cache, out[:, :tokens]
+    out, picks = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
+
+    def untile(x):
+        return x.swapaxes(0, 1).reshape(x.shape[1], n_tiles * tile, *x.shape[3:])[:, :tokens]
+
+    out = untile(out)
+    if not with_picks:
+        return cache, out
+    return cache, out, None if picks is None else untile(picks)
 
 
-def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids) -> jax.Array:
+def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
+                     options: Options | None = None) -> jax.Array:
     """Attention of each slot's LAST token, reading the cache after its append.
 
     Args:
@@ -404,26 +184,50 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids) ->
     check_queries(cache, ref, queries, slot_ids.shape[0], 1)
     inside = (slot_ids >= 0) & (slot_ids < S)
     ids = jnp.where(inside, slot_ids, S)
-    length = jnp.where(inside, cache.state.lengths[_read_slots(cache, ids)], 0)
-    return _decode_attention(cache, ref, queries, ids, length)
+    length = jnp.where(inside, pools.lengths(cache)[read_slots(cache, ids)], 0)
+    out, _ = ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries, ids,
+                                  length - 1, length, _options(options))
+    return out
 
 
-def _decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
-                      length: jax.Array) -> jax.Array:
-    """Attention of the token at length - 1 of each slot, whose append is in the cache.
-    slot_ids may hold max_slots for rows that read nothing (their length is 0)."""
-    if ref.kind != LayerKind.SWA and ops.uses_kernels(cache.model, cache.geometry):
-        return ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
-                                    slot_ids, length - 1, length)
-    ring = cache.state.window[ref.layer, _read_slots(cache, slot_ids)]
-    return _attend_layer(cache, ref, page_rows(cache, slot_ids), queries,
-                         (length - 1)[:, None], length, _ordered_ring(ring, length),
-                         length - cache.model.window)
+def decode_attention_all(cache: Cache, queries: Queries, slot_ids, *,
+                         options: Options | None = None) -> jax.Array:
+    """Every layer's attention of each slot's last token (after `decode_step` appended it):
+    one `lax.scan` per layer kind.
+
+    Args:
+      queries: `Queries` stacked over layers with T = 1: q [n_layers, B, 1, H, hd], sink
+        [n_layers, H], index_q [n_csa, B, 1, nI, c], index_weights [n_csa, B, 1, nI].
+      slot_ids: i32[B] (as `decode_attention`).
+
+    Returns:
+      f32[n_layers, B, 1, H, hd].
+    """
+    model = cache.model
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    out = jnp.zeros((model.num_layers, *queries.q.shape[1:]), jnp.float32)
+    for kind in LayerKind:
+        layers = model.layers_of(kind)
+        if not layers:
+            continue
+        glob = jnp.asarray(layers, jnp.int32)
+        xs = {"ref": LayerRef(glob, jnp.arange(len(layers), dtype=jnp.int32), kind),
+              "q": Queries(q=queries.q[glob], sink=queries.sink[glob])}
+        if kind == LayerKind.CSA:
+            xs["q"] = xs["q"].replace(index_q=queries.index_q,
+                                      index_weights=queries.index_weights)
+
+        def body(_, x):
+            return None, decode_attention(cache, x["ref"], x["q"], slot_ids, options=options)
+
+        _, o = jax.lax.scan(body, None, xs)
+        out = out.at[glob].set(o)
+    return out
 
 
-def append_and_attend(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
-                      queries: Queries, weights: CompressorWeights
-                      ) -> tuple[Cache, jax.Array]:
+def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: Queries,
+                weights: CompressorWeights, options: Options | None = None
+                ) -> tuple[Cache, jax.Array]:
     """`layer_step` over every layer, for callers that have all layers' vectors up front
     (benchmarks, the demo, tests). Layers of a kind run in a `lax.scan`, so the program size
     does not grow with the number of layers.
@@ -459,11 +263,11 @@ def append_and_attend(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
             xs.update(main=vectors.hca, main_p=weights.hca)
 
         def body(cache, x):
-            layer_vectors = LayerVectors(x["window"], x.get("main"), x.get("index"))
-            params = LayerParams(x.get("main_p"), x.get("index_p"))
+            layer_vectors = vec.LayerVectors(x["window"], x.get("main"), x.get("index"))
+            params = vec.LayerParams(x.get("main_p"), x.get("index_p"))
             q = Queries(q=x["q"], sink=x["sink"], index_q=x.get("index_q"),
                         index_weights=x.get("index_weights"))
-            return layer_step(cache, plan, x["ref"], layer_vectors, q, params)
+            return layer_step(cache, plan, x["ref"], layer_vectors, q, params, options=options)
 
         cache, o = jax.lax.scan(body, cache, xs)
         if out is None:
@@ -472,7 +276,7 @@ def append_and_attend(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
     return cache, out
 
 
-# --- jitted entry points ---------------------------------------------------------------------
+# --- checks and jitted entry points -----------------------------------------------------------
 
 
 def _float_field(name: str, x, expected: tuple) -> None:
@@ -524,36 +328,10 @@ def check_queries(cache: Cache, ref: LayerRef | None, queries: Queries, batch: i
         _float_field("queries.index_weights", queries.index_weights, (*csa, batch, tokens, nI))
 
 
-def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
-    """Concrete checks of one call's rows: distinct slots in range (or -1 for a padding row,
-    which must append nothing), n_new in [0, tokens], and every slot that appends is ACTIVE."""
-    S = cache.geometry.max_slots
-    ids = checks.slot_ids(slot_ids, S, padding=True)
-    n = checks.int_array("n_new", n_new, ndim=1)
-    if n.shape != ids.shape:
-        checks.fail("n_new", f"shape {ids.shape} (one count per slot id)", f"shape {n.shape}")
-    if n.size and (n.min() < 0 or n.max() > tokens):
-        checks.fail("n_new", f"counts in [0, {tokens}] (the chunk length)", n)
-    status = np.asarray(cache.state.status)
-    for row, (slot, count) in enumerate(zip(ids.tolist(), n.tolist(), strict=True)):
-        if slot < 0:
-            if count:
-                checks.fail("n_new", "0 for a padding row (slot id -1)",
-                            f"{count} at row {row}")
-            continue
-        st = SlotStatus(int(status[slot]))
-        if count > 0 and st != SlotStatus.ACTIVE:
-            hint = ("reset_slot it first" if st == SlotStatus.FREE
-                    else "pools.clear_flags it once the cause is fixed")
-            checks.fail("slot_ids", f"ACTIVE slots for rows that append ({hint})",
-                        f"slot {slot} {st.name}")
-
-
-def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids,
-                n_new) -> int:
-    """Checks of the eager entry points; returns the chunk length T."""
-    if not isinstance(cache, Cache):
-        checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
+def chunk_length(vectors: TokenVectors) -> int:
+    """T of `TokenVectors` [.., B, T, ..]: raises unless they hold a chunk of T >= 1 tokens."""
+    if not isinstance(vectors, TokenVectors):
+        checks.fail("vectors", "a v4kv_jax TokenVectors", type(vectors).__name__, TypeError)
     window = vectors.window
     if window is None or np.ndim(window) != 4:
         checks.fail("vectors.window", "an array [n_layers, B, T, head_dim]",
@@ -561,39 +339,55 @@ def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
     tokens = window.shape[2]
     if tokens < 1:
         checks.fail("vectors", "a chunk of at least one token (T >= 1)", f"T={tokens}")
+    return tokens
+
+
+def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids,
+                n_new) -> int:
+    """Checks of the eager entry points; returns the chunk length T."""
+    if not isinstance(cache, Cache):
+        checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
+    tokens = chunk_length(vectors)
     batch = np.shape(slot_ids)[0] if np.ndim(slot_ids) else -1
     check_vectors(cache, vectors, batch, tokens)
     check_weights(cache, weights)
     if checks.concrete(slot_ids, n_new):
-        check_rows(cache, slot_ids, n_new, tokens)
+        append.check_rows(cache, slot_ids, n_new, tokens)
     return tokens
 
 
 def _append_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
-                slot_ids: jax.Array, n_new: jax.Array) -> Cache:
-    cache, plan = begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
-    cache = append_layers(cache, plan, vectors, weights)
-    return end_append(cache, plan)
-
-
-_append_all_jit = jax.jit(_append_all, donate_argnums=0)
+                slot_ids: jax.Array, n_new: jax.Array, options: Options) -> Cache:
+    cache, plan = append.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
+    cache = append.append_layers(cache, plan, vectors, weights, options)
+    return append.end_append(cache, plan)
 
 
 def _append_attend_all(cache: Cache, vectors: TokenVectors, queries: Queries,
-                       weights: CompressorWeights, slot_ids: jax.Array, n_new: jax.Array):
-    cache, plan = begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
-    cache, out = append_and_attend(cache, plan, vectors, queries, weights)
-    return end_append(cache, plan), out
+                       weights: CompressorWeights, slot_ids: jax.Array, n_new: jax.Array,
+                       options: Options):
+    cache, plan = append.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
+    cache, out = layers_step(cache, plan, vectors, queries, weights, options)
+    return append.end_append(cache, plan), out
 
 
-_append_attend_all_jit = jax.jit(_append_attend_all, donate_argnums=0)
+def jitted(fn):
+    """`fn(cache, ..., options)` jitted with the cache donated and the options static: the
+    one way the entry points below are compiled."""
+    return jax.jit(fn, donate_argnums=0, static_argnames=("options",))
 
 
-def forward(cache: Cache, vectors: TokenVectors, queries: Queries, weights: CompressorWeights,
-            slot_ids, n_new) -> tuple[Cache, jax.Array]:
-    """Prefill (or decode, T = 1) with attention in every layer; jitted, cache donated.
+_append_all_jit = jitted(_append_all)
+_append_attend_all_jit = jitted(_append_attend_all)
 
-    Args as `prefill`, plus `queries` stacked over layers (see `append_and_attend`).
+
+def append_and_attend(cache: Cache, vectors: TokenVectors, queries: Queries,
+                      weights: CompressorWeights, slot_ids, n_new, *,
+                      options: Options | None = None) -> tuple[Cache, jax.Array]:
+    """Appends a chunk (prefill, or decode with T = 1) and attends in every layer; jitted,
+    cache donated.
+
+    Args as `prefill`, plus `queries` stacked over layers (see `layers_step`).
 
     Returns:
       (cache, f32[n_layers, B, T, H, hd]) attention outputs before the output projection.
@@ -601,11 +395,12 @@ def forward(cache: Cache, vectors: TokenVectors, queries: Queries, weights: Comp
     tokens = _check_call(cache, vectors, weights, slot_ids, n_new)
     check_queries(cache, None, queries, len(slot_ids), tokens)
     return _append_attend_all_jit(cache, vectors, queries, weights,
-                                  jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32))
+                                  jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32),
+                                  options=_options(options))
 
 
 def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
-            slot_ids, n_new) -> Cache:
+            slot_ids, n_new, *, options: Options | None = None) -> Cache:
     """Appends up to T tokens to each of B slots, from any starting length.
 
     Leaves the state that feeding the same tokens one by one through `decode_step` leaves:
@@ -617,16 +412,17 @@ def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       cache: the cache (donated).
       vectors: `TokenVectors` with [.., B, T, ..] arrays.
       weights: compressor params of every layer.
-      slot_ids: i32[B] distinct slots.
+      slot_ids: i32[B] distinct slots (-1: a padding row, n_new 0).
       n_new: i32[B] tokens of each row to append (the rest of the row is padding).
+      options: how the ops run.
     """
     _check_call(cache, vectors, weights, slot_ids, n_new)
     return _append_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
-                           jnp.asarray(n_new, jnp.int32))
+                           jnp.asarray(n_new, jnp.int32), options=_options(options))
 
 
 def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
-                active=None) -> Cache:
+                active=None, *, options: Options | None = None) -> Cache:
     """Appends one token to every active slot (a batch over all `max_slots` slots).
 
     Args:
@@ -634,21 +430,22 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       vectors: `TokenVectors` with [.., max_slots, 1, ..] arrays.
       weights: compressor params of every layer.
       active: bool[max_slots]; default: every slot whose status is ACTIVE.
+      options: how the ops run.
     """
     S = cache.geometry.max_slots
     if active is None:
-        active = cache.state.status == SlotStatus.ACTIVE
+        active = pools.status(cache) == SlotStatus.ACTIVE
     elif checks.concrete(active):
         checks.shape("active", active, (S,))
         checks.dtype_kind("active", active, "bool")
     n_new = jnp.asarray(active, jnp.int32)
     _check_call(cache, vectors, weights, np.arange(S, dtype=np.int32), n_new)
-    return _append_all_jit(cache, vectors, weights, jnp.arange(S, dtype=jnp.int32), n_new)
+    return _append_all_jit(cache, vectors, weights, jnp.arange(S, dtype=jnp.int32), n_new,
+                           options=_options(options))
 
 
 __all__ = [
-    "AppendPlan", "LayerParams", "LayerRef", "LayerVectors", "TokenVectors",
-    "append_and_attend", "append_layers", "begin_append", "check_queries", "check_rows",
-    "check_vectors", "check_weights", "decode_attention", "decode_step", "end_append",
-    "forward", "layer_step", "page_rows", "prefill",
+    "append_and_attend", "check_queries", "check_vectors", "check_weights", "decode_attention",
+    "chunk_length", "decode_attention_all",
+    "decode_step", "jitted", "layer_step", "layers_step", "prefill",
 ]

@@ -20,6 +20,7 @@ from pallas_kernels.common import (
     MASK_VALUE,
     MIN_DOT,
     check_power_of_two,
+    lane_frequencies,
     layer_index,
 )
 from pallas_kernels.dense_attention.blocks import BlockSizes
@@ -72,12 +73,13 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, windo
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret", "num_warps",
                                              "num_stages"))
 def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128,
-                           c128_layer, page_rows, lane_freq, *, ratio: int,
+                           c128_layer, page_rows, inv_freq, *, ratio: int,
                            block_sizes: BlockSizes | None = None, interpret: bool = False,
                            num_warps: int = 4, num_stages: int = 2):
     """Same contract as `pallas_kernels.dense_attention.tpu.dense_decode_attention`."""
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
+    lane_freq = lane_frequencies(inv_freq, dim)
     epp, max_pages = c128.shape[2], page_rows.shape[1]
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(max_pages * epp, heads)
     block, bh = max(bs.entries_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)

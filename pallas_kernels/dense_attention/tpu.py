@@ -22,7 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import decode, tpu_pipeline
-from pallas_kernels.common import layer_index, tpu_interpret
+from pallas_kernels.common import (
+    lane_frequencies,
+    layer_index,
+    tpu_interpret,
+)
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
 
@@ -59,7 +63,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, q_ref, sink_
 
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret"))
 def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128,
-                           c128_layer, page_rows, lane_freq, *, ratio: int,
+                           c128_layer, page_rows, inv_freq, *, ratio: int,
                            block_sizes: BlockSizes | None = None, interpret: bool = False):
     """One decode query per slot over its window and every visible C128 entry.
 
@@ -69,7 +73,7 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
       slot_ids, q_pos, kv_end: i32[B] slot, query position and sequence length per row.
       c128: [n_hca, num_pages, P // m', hd]; c128_layer: index in the HCA stack.
       page_rows: i32[B, max_pages_per_seq].
-      lane_freq: f32[1, hd], `common.lane_frequencies` of the layer kind.
+      inv_freq: f32[r // 2], the RoPE frequencies of the layer kind (`rope.inv_frequencies`).
       ratio: m'. Entries i < min((q_pos + 1) // m', kv_end // m') are read.
 
     Returns:
@@ -77,6 +81,7 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
     """
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
+    lane_freq = lane_frequencies(inv_freq, dim)
     epp, max_pages = c128.shape[2], page_rows.shape[1]
     bs = (block_sizes or BlockSizes()).clamped(max_pages * epp, heads)
     ppb = min(bs.pages_per_block(epp), max_pages)

@@ -19,6 +19,7 @@ from pallas_kernels.common import (
     HIGHEST,
     MASK_VALUE,
     MIN_DOT,
+    candidate_scores,
     check_power_of_two,
     layer_index,
     next_power_of_two,
@@ -74,7 +75,7 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
                page_rows.astype(jnp.int32))
     kernel = functools.partial(_kernel, block=block, entries_per_page=epp, max_pages=max_pages,
                                ratio=ratio, heads=heads)
-    return pl.pallas_call(
+    scores = pl.pallas_call(
         kernel,
         grid=(batch, blocks),
         in_specs=[*(whole(x) for x in scalars),
@@ -87,3 +88,4 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
         interpret=interpret,
         name="v4kv_indexer_scores_gpu",
     )(*scalars, q, w[..., None], index_keys)
+    return candidate_scores(scores, q_pos, kv_end, ratio)

@@ -23,7 +23,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import tpu_pipeline
-from pallas_kernels.common import HIGHEST, MASK_VALUE, layer_index, tpu_interpret
+from pallas_kernels.common import (
+    HIGHEST,
+    MASK_VALUE,
+    candidate_scores,
+    layer_index,
+    tpu_interpret,
+)
 from pallas_kernels.indexer.blocks import BlockSizes
 
 
@@ -90,7 +96,7 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
 
     Returns:
       f32[B, capacity] (capacity >= max_pages_per_seq * P // m): scores of the visible keys,
-      MASK_VALUE for the other ids of the visited pages, unspecified past them.
+      -inf for every other id.
     """
     batch, heads, dim = index_q.shape
     epp, max_pages = index_keys.shape[2], page_rows.shape[1]
@@ -99,7 +105,7 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
     blocks = -(-max_pages // ppb)
     kernel = functools.partial(_kernel, pages_per_block=ppb, entries_per_page=epp,
                                max_pages=max_pages, ratio=ratio)
-    return pl.pallas_call(
+    scores = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
@@ -122,3 +128,4 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
     )(layer_index(layer), q_pos.astype(jnp.int32), kv_end.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1), index_q.astype(jnp.float32),
       index_weights.astype(jnp.float32).reshape(batch, 1, heads), index_keys)
+    return candidate_scores(scores, q_pos, kv_end, ratio)

@@ -23,7 +23,9 @@ from pallas_kernels.common import (
     MASK_VALUE,
     MIN_DOT,
     check_power_of_two,
+    lane_frequencies,
     layer_index,
+    present_picks,
 )
 from pallas_kernels.gpu_split_k import split_k_decode
 from pallas_kernels.sparse_attention.blocks import BlockSizes
@@ -74,12 +76,14 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "num_warps",
                                              "num_stages"))
 def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
-                            c4_layer, page_rows, picks, lane_freq, *,
+                            c4_layer, page_rows, picks, inv_freq, *,
                             block_sizes: BlockSizes | None = None, interpret: bool = False,
                             num_warps: int = 4, num_stages: int = 2):
     """Same contract as `pallas_kernels.sparse_attention.tpu.sparse_decode_attention`."""
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
+    lane_freq = lane_frequencies(inv_freq, dim)
+    picks = present_picks(page_rows, picks, c4.shape[2])
     topk, epp = picks.shape[1], c4.shape[2]
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(topk, heads)
     block, bh = max(bs.picks_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)

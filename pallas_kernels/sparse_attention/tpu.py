@@ -22,7 +22,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import decode, tpu_pipeline
-from pallas_kernels.common import layer_index, tpu_interpret
+from pallas_kernels.common import (
+    lane_frequencies,
+    layer_index,
+    present_picks,
+    tpu_interpret,
+)
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 
@@ -63,7 +68,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
-                            c4_layer, page_rows, picks, lane_freq, *,
+                            c4_layer, page_rows, picks, inv_freq, *,
                             block_sizes: BlockSizes | None = None, interpret: bool = False):
     """One decode query per slot over its window and its top-k C4 entries.
 
@@ -72,15 +77,17 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
       window: [n_layers, max_slots, W, hd] the window rings; window_layer: global layer.
       slot_ids, q_pos, kv_end: i32[B] slot, query position and sequence length per row.
       c4: [n_csa, num_pages, P // m, hd]; c4_layer: index in the CSA stack.
-      page_rows: i32[B, max_pages_per_seq]; picks: i32[B, k] entry ids, -1 = none. A pick
-        whose page is absent must already be -1 (`ops` sanitises them).
-      lane_freq: f32[1, hd], `common.lane_frequencies` of the layer kind.
+      page_rows: i32[B, max_pages_per_seq]; picks: i32[B, k] entry ids, -1 = none (a pick whose
+        page is absent counts as none).
+      inv_freq: f32[r // 2], the RoPE frequencies of the layer kind (`rope.inv_frequencies`).
 
     Returns:
       f32[B, H, hd], de-rotated by -q_pos.
     """
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
+    lane_freq = lane_frequencies(inv_freq, dim)
+    picks = present_picks(page_rows, picks, c4.shape[2])
     topk, epp, max_pages = picks.shape[1], c4.shape[2], page_rows.shape[1]
     bs = (block_sizes or BlockSizes()).clamped(topk, heads)
     block = bs.picks_per_block

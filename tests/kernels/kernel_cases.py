@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 import v4kv_jax as v4
-from v4kv_jax.pools import SlotStatus
+from v4kv_jax.testing import synthetic
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -65,50 +65,15 @@ def decode_positions(lengths) -> tuple[jax.Array, jax.Array]:
 
 
 def random_cache(model, page_tokens: int, dtype: str, lengths, seed: int = 0, spare_pages=2):
-    """A cache holding `lengths` tokens of random content per slot; unused pages are NaN.
-    Entries, window ring and compressor tails are stored in `dtype`.
-
-    The bookkeeping is what `synthetic.random_cache` builds (slot b takes its pages after
-    slot b - 1); the content is drawn with numpy, which is much faster on CPU than compiling
-    a random program per array shape.
-    """
+    """`synthetic.random_cache` with `lengths` tokens per slot in a geometry just large enough
+    (plus `spare_pages` and one free slot), stored in `dtype`; unused pages are NaN."""
     lengths = np.asarray(lengths, np.int64)
     need = -(-lengths // page_tokens)
-    used = int(need.sum())
     geometry = v4.CacheConfig(
-        num_pages=used + spare_pages, max_slots=len(lengths) + 1,
+        num_pages=int(need.sum()) + spare_pages, max_slots=len(lengths) + 1,
         max_pages_per_seq=int(need.max()) + 1, page_tokens=page_tokens, entry_dtype=dtype,
         window_dtype=dtype, tail_dtype=dtype)
-    cache = v4.init_cache(model, geometry)
-    rng = np.random.default_rng(seed)
-
-    def draw(x, nan_pages=False):
-        values = rng.standard_normal(x.shape).astype(np.float32)
-        if nan_pages:
-            values[:, used:] = np.nan
-        return jax.numpy.asarray(values, x.dtype)
-
-    table = np.full((geometry.max_slots, geometry.max_pages_per_seq), -1, np.int32)
-    first = np.concatenate([[0], np.cumsum(need)[:-1]])
-    for b, n in enumerate(need):
-        table[b, :n] = first[b] + np.arange(n)
-    refcount = (np.arange(geometry.num_pages) < used).astype(np.int32)
-    free = np.arange(geometry.num_pages - 1, used - 1, -1, dtype=np.int32)
-    slot_lengths = np.zeros(geometry.max_slots, np.int32)
-    slot_lengths[:len(lengths)] = lengths
-    state = cache.state.replace(
-        lengths=jax.numpy.asarray(slot_lengths),
-        status=jax.numpy.asarray((np.arange(geometry.max_slots) < len(lengths)).astype(np.int32)
-                                 * int(SlotStatus.ACTIVE)),
-        window=draw(cache.state.window),
-        **{s.name: jax.tree.map(draw, cache.state.tail(s.name)) for s in cache.specs})
-    pages = cache.pages.replace(
-        page_table=jax.numpy.asarray(table),
-        free_stack=jax.numpy.asarray(np.concatenate([free, np.zeros(used, np.int32)])),
-        num_free=jax.numpy.asarray(geometry.num_pages - used, jax.numpy.int32),
-        refcount=jax.numpy.asarray(refcount))
-    classical = jax.tree.map(lambda x: draw(x, nan_pages=True), cache.classical)
-    return cache.replace(classical=classical, state=state, pages=pages)
+    return synthetic.random_cache(model, geometry, lengths, seed, fill_unused=float("nan"))
 
 
 def assert_close(actual, expected, dtype: str, err_msg: str = ""):

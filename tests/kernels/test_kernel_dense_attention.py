@@ -19,8 +19,9 @@ from kernel_cases import (
 )
 
 from pallas_kernels.dense_attention import BlockSizes
-from v4kv_jax import ops, synthetic
+from v4kv_jax import ops, pools
 from v4kv_jax.config import LayerKind
+from v4kv_jax.testing import synthetic
 
 
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
@@ -36,9 +37,11 @@ def case(request):
 
     def run(**kw):
         return np.asarray(ops.dense_decode_attention(
-            model, cache.geometry, queries.q[:, 0], queries.sink, cache.state.window, layer,
-            jnp.arange(batch), q_pos, kv_end, cache.classical.c128, model.kind_index(layer),
-            cache.pages.page_table[:batch], **kw))
+            model, cache.geometry, q=queries.q[:, 0], sink=queries.sink,
+            window=pools.window_ring(cache), window_layer=layer, slot_ids=jnp.arange(batch),
+            q_pos=q_pos, kv_end=kv_end, c128=pools.entries(cache, "hca"),
+            c128_layer=model.kind_index(layer), page_rows=cache.pages.page_table[:batch],
+            **kw))
 
     return types.SimpleNamespace(run=run, dtype=dtype, want=run(implementation="reference"))
 

@@ -18,8 +18,9 @@ from kernel_cases import (
 )
 
 from pallas_kernels.indexer import BlockSizes
-from v4kv_jax import ops, synthetic
+from v4kv_jax import ops, pools
 from v4kv_jax.config import LayerKind
+from v4kv_jax.testing import synthetic
 
 
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
@@ -32,20 +33,22 @@ def case(request):
     q_pos, kv_end = decode_positions(lengths)
     queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=heads + 2).queries(
         layer, np.zeros((batch, 1), int))
-    args = (model, cache.geometry, cache.classical.index_keys, model.kind_index(layer),
-            cache.pages.page_table[:batch], queries.index_q[:, 0], queries.index_weights[:, 0],
-            q_pos, kv_end)
+    args = (model, cache.geometry)
+    arrays = dict(index_keys=pools.entries(cache, "csa_index"), layer=model.kind_index(layer),
+                  page_rows=cache.pages.page_table[:batch], index_q=queries.index_q[:, 0],
+                  index_weights=queries.index_weights[:, 0], q_pos=q_pos, kv_end=kv_end)
     return types.SimpleNamespace(
-        args=args, model=model, lengths=lengths, visible=np.minimum(q_pos + 1, kv_end) // 4,
-        scores=np.asarray(ops.index_scores(*args, implementation="reference")),
-        picks=np.asarray(ops.index_topk(*args, implementation="reference")))
+        args=args, arrays=arrays, model=model, lengths=lengths,
+        visible=np.minimum(q_pos + 1, kv_end) // 4,
+        scores=np.asarray(ops.index_scores(*args, **arrays, implementation="reference")),
+        picks=np.asarray(ops.index_topk(*args, **arrays, implementation="reference")))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_index_scores_and_picks_match_reference(case, implementation):
     kernel = dict(implementation=implementation, interpret=True,
                   block_sizes=BlockSizes(entries_per_block=64))
-    got = np.asarray(ops.index_scores(*case.args, **kernel))
+    got = np.asarray(ops.index_scores(*case.args, **case.arrays, **kernel))
     want = case.scores
     width = min(want.shape[1], got.shape[1])
     assert np.isneginf(want[:, width:]).all() and np.isneginf(got[:, width:]).all()
@@ -55,7 +58,7 @@ def test_index_scores_and_picks_match_reference(case, implementation):
     np.testing.assert_array_equal(np.isfinite(got), candidates)
     assert_close(got[candidates], want[candidates], "float32")
 
-    picks = np.asarray(ops.index_topk(*case.args, **kernel))
+    picks = np.asarray(ops.index_topk(*case.args, **case.arrays, **kernel))
     k, compared = case.model.index_topk, 0
     for b, row in enumerate(want):
         top = np.sort(row[candidates[b]])[::-1]

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.compress import gpu as compress_gpu
-from pallas_kernels.compress import tpu as compress_tpu
+from pallas_kernels.compressor import gpu as compress_gpu
+from pallas_kernels.compressor import tpu as compress_tpu
 from pallas_kernels.dense_attention import gpu as dense_gpu
 from pallas_kernels.dense_attention import tpu as dense_tpu
 from pallas_kernels.indexer import gpu as indexer_gpu
@@ -35,7 +35,7 @@ def sds(shape, dtype):
 ATTENTION = dict(q=sds((B, H, HD), F32), sink=sds((H,), F32),
                  window=sds((LAYERS, B, W, HD), BF16), window_layer=sds((), I32),
                  slot_ids=sds((B,), I32), q_pos=sds((B,), I32), kv_end=sds((B,), I32))
-ROWS, FREQ = sds((B, MAX_PAGES), I32), sds((1, HD), F32)
+ROWS, FREQ = sds((B, MAX_PAGES), I32), sds((32,), F32)  # inv_freq of 64 RoPE dims
 
 
 def _sparse(module):

@@ -19,8 +19,9 @@ from kernel_cases import (
 )
 
 from pallas_kernels.sparse_attention import BlockSizes
-from v4kv_jax import ops, synthetic
+from v4kv_jax import ops, pools
 from v4kv_jax.config import LayerKind
+from v4kv_jax.testing import synthetic
 
 
 @pytest.fixture(scope="module", params=CASES, ids=CASE_IDS)
@@ -35,17 +36,20 @@ def case(request):
     queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=heads).queries(
         layer, np.zeros((batch, 1), int))
     rows = cache.pages.page_table[:batch]
-    picks = ops.index_topk(model, cache.geometry, cache.classical.index_keys, kind_layer, rows,
-                           queries.index_q[:, 0], queries.index_weights[:, 0], q_pos, kv_end,
-                           implementation="reference")
+    picks = ops.index_topk(model, cache.geometry, index_keys=pools.entries(cache, "csa_index"),
+                           layer=kind_layer, page_rows=rows, index_q=queries.index_q[:, 0],
+                           index_weights=queries.index_weights[:, 0], q_pos=q_pos,
+                           kv_end=kv_end, implementation="reference")
     # Holes before valid picks: every -1 must be skipped, not only a trailing run.
     picks = picks.at[:, 1::5].set(-1)
     assert int(jnp.sum(picks >= 0)) > 100
 
     def run(**kw):
         return np.asarray(ops.sparse_decode_attention(
-            model, cache.geometry, queries.q[:, 0], queries.sink, cache.state.window, layer,
-            jnp.arange(batch), q_pos, kv_end, cache.classical.c4, kind_layer, rows, picks, **kw))
+            model, cache.geometry, q=queries.q[:, 0], sink=queries.sink,
+            window=pools.window_ring(cache), window_layer=layer, slot_ids=jnp.arange(batch),
+            q_pos=q_pos, kv_end=kv_end, c4=pools.entries(cache, "csa"), c4_layer=kind_layer,
+            page_rows=rows, picks=picks, **kw))
 
     return types.SimpleNamespace(run=run, dtype=dtype, want=run(implementation="reference"))
 

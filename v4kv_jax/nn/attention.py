@@ -27,11 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v4kv_jax import checks, rope, step
-from v4kv_jax.attention import Queries
-from v4kv_jax.compressor import CompressorInput, CompressorParams, rms_norm
-from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax import append, checks, rope, step
+from v4kv_jax.compressor import rms_norm
+from v4kv_jax.config import AttentionConfig, LayerKind, Options
 from v4kv_jax.pools import Cache
+from v4kv_jax.vectors import (
+    CompressorInput,
+    CompressorParams,
+    LayerParams,
+    LayerRef,
+    LayerVectors,
+    Queries,
+)
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Param:
@@ -152,7 +159,7 @@ class V4Attention(nnx.Module):
                              f"hidden_size={self.config.hidden_size}]")
 
     def vectors(self, x: jax.Array, positions: jax.Array
-                ) -> tuple[step.LayerVectors, Queries, step.LayerParams]:
+                ) -> tuple[LayerVectors, Queries, LayerParams]:
         """The per-token vectors of SPEC section 2 for x [B, T, D] at positions i32[B, T]."""
         config, p = self.config, self.precision
         self._check_input(x)
@@ -169,8 +176,8 @@ class V4Attention(nnx.Module):
         kv = rms_norm(linear(x, self.kv_proj[...], p), self.kv_norm[...], eps)
         kv = rope.rotate(kv, positions, inv_freq)
         queries = Queries(q=q, sink=self.sinks[...])
-        vectors = step.LayerVectors(window=kv)
-        params = step.LayerParams()
+        vectors = LayerVectors(window=kv)
+        params = LayerParams()
         if self.compressor is not None:
             vectors = vectors.replace(compressor=self.compressor.inputs(x, p))
             params = params.replace(compressor=self.compressor.params)
@@ -185,16 +192,17 @@ class V4Attention(nnx.Module):
             params = params.replace(index_compressor=idx.compressor.params)
         return vectors, queries, params
 
-    def __call__(self, x: jax.Array, cache: Cache, plan: step.AppendPlan, ref: step.LayerRef
-                 ) -> tuple[Cache, jax.Array]:
+    def __call__(self, x: jax.Array, cache: Cache, plan: append.AppendPlan, ref: LayerRef, *,
+                 options: Options | None = None) -> tuple[Cache, jax.Array]:
         """Appends the chunk x [B, T, D] to this layer's cache and attends.
 
         Args:
           x: hidden states (already normed by the caller) of the chunk's tokens; rows past a
             slot's `plan.n_new` are padding.
-          cache: the cache after `step.begin_append`.
-          plan: from `step.begin_append` (positions come from it).
-          ref: this layer in the cache (`step.LayerRef`, indices may be traced).
+          cache: the cache after `append.begin_append`.
+          plan: from `append.begin_append` (positions come from it).
+          ref: this layer in the cache (`LayerRef`, indices may be traced).
+          options: how the ops run (`v4kv_jax.Options`; default: "auto").
 
         Returns:
           (cache, f32[B, T, D]) the layer output (no residual).
@@ -203,14 +211,14 @@ class V4Attention(nnx.Module):
             raise ValueError(f"ref.kind={ref.kind.name} does not match the module's kind "
                              f"{self.kind.name}")
         vectors, queries, params = self.vectors(x, plan.positions(x.shape[1]))
-        cache, o = step.layer_step(cache, plan, ref, vectors, queries, params)
+        cache, o = step.layer_step(cache, plan, ref, vectors, queries, params, options=options)
         return cache, grouped_output(o, self.o_a_proj[...], self.o_b_proj[...],
                                      self.config.o_groups, self.precision)
 
-    def step(self, x: jax.Array, cache: Cache, *, slot_ids, n_new, layer: int
-             ) -> tuple[Cache, jax.Array]:
-        """Runs this layer on its own over a chunk: `step.begin_append`, the layer (append to
-        layer `layer` of the cache and attend), `step.end_append`.
+    def step(self, x: jax.Array, cache: Cache, *, slot_ids, n_new, layer: int,
+             options: Options | None = None) -> tuple[Cache, jax.Array]:
+        """Runs this layer on its own over a chunk: `append.begin_append`, the layer (append to
+        layer `layer` of the cache and attend), `append.end_append`.
 
         The cache may be one of a whole model: `layer` (static) picks the window ring and the
         compressed-entry stacks this module reads and writes, and must be of the module's
@@ -226,18 +234,19 @@ class V4Attention(nnx.Module):
           slot_ids: i32[B], distinct active slots (-1: a padding row that appends nothing).
           n_new: i32[B] in [0, T].
           layer: the layer's index in the cache's config.
+          options: how the ops run.
 
         Returns:
           (cache, f32[B, T, D]) the layer output (no residual; rows past n_new are padding).
-          Inside jit a slot that could not append is flagged in `cache.state.status`, as with
-          `step.begin_append`.
+          Inside jit a slot that could not append is flagged in its slot status, as with
+          `append.begin_append`.
         """
         if not isinstance(cache, Cache):
             checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
         if cache.model != self.config:
             checks.fail("cache", "a cache built for the module's attention config",
                         "a cache of another AttentionConfig")
-        ref = step.LayerRef.of(cache, layer)
+        ref = LayerRef.of(cache, layer)
         if ref.kind != self.kind:
             same = [i for i, k in enumerate(cache.model.layer_kinds) if k == self.kind]
             checks.fail("layer", f"a {self.kind.name} layer like the module (the cache's "
@@ -247,6 +256,6 @@ class V4Attention(nnx.Module):
             if np.shape(value) != x.shape[:1]:
                 checks.fail(name, f"shape ({x.shape[0]},) (one per row of x)",
                             f"shape {np.shape(value)}")
-        cache, plan = step.begin_append(cache, slot_ids, n_new, x.shape[1])
-        cache, y = self(x, cache, plan, ref)
-        return step.end_append(cache, plan), y
+        cache, plan = append.begin_append(cache, slot_ids, n_new, x.shape[1])
+        cache, y = self(x, cache, plan, ref, options=options)
+        return append.end_append(cache, plan), y

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from v4kv_jax import checks, pools
-from v4kv_jax.config import CacheConfig
+from v4kv_jax.config import CacheConfig, Options, options_or_default
 from v4kv_jax.manager import SlotTable
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache
@@ -46,7 +46,8 @@ def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Arr
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
-def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, params, cache: Cache,
+def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Options, params,
+              cache: Cache,
               slot_ids: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
               key: jax.Array, temperature: jax.Array, eos_id: jax.Array):
     """Row b prefills prompts[b, :prompt_lengths[b]] into slot_ids[b] (an empty slot), then
@@ -60,7 +61,7 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, params, cache: 
         start = i * prefill_chunk
         chunk = jax.lax.dynamic_slice_in_dim(prompts, start, prefill_chunk, axis=1)
         n_new = jnp.clip(prompt_lengths - start, 0, prefill_chunk)
-        cache, h = model.hidden(chunk, cache, slot_ids, n_new)
+        cache, h = model.hidden(chunk, cache, slot_ids, n_new, options=options)
         at = prompt_lengths - 1 - start
         here = (at >= 0) & (at < prefill_chunk)
         last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
@@ -119,12 +120,14 @@ class Generator:
       max_prompt_len: the longest prompt (the prompt buffer, rounded up to whole chunks).
       max_new_tokens: tokens generated per prompt (fewer for a row that emits `eos_id`).
       prefill_chunk: tokens per prefill step.
+      options: how the ops run (`v4kv_jax.Options`; default: "auto").
     """
 
     _live: weakref.WeakSet[Generator] = weakref.WeakSet()
 
     def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
-                 max_new_tokens: int, prefill_chunk: int = 128):
+                 max_new_tokens: int, prefill_chunk: int = 128,
+                 options: Options | None = None):
         if not isinstance(model, Decoder):
             checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
         if not isinstance(geometry, CacheConfig):
@@ -144,10 +147,11 @@ class Generator:
         self.prefill_chunk = min(prefill_chunk, max_prompt_len)
         self.buffer = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
         self.max_prompt_len = max_prompt_len
+        self.options = options_or_default(options)
         self._traces = [0]
         self._program = jax.jit(
             functools.partial(_count_trace, self._traces, _generate, self.graphdef,
-                              self.max_new_tokens, self.prefill_chunk),
+                              self.max_new_tokens, self.prefill_chunk, self.options),
             donate_argnums=1)
         Generator._live.add(self)
 
@@ -233,25 +237,27 @@ def _count_trace(counter: list[int], fn, *args):
     return fn(*args)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "options"),
+                   donate_argnames=("cache",))
 def _forward(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
-             n_new: jax.Array) -> tuple[Cache, jax.Array]:
-    return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new)
+             n_new: jax.Array, options: Options) -> tuple[Cache, jax.Array]:
+    return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new, options=options)
 
 
-def forward(graphdef, params, cache: Cache, tokens, slot_ids, n_new
-            ) -> tuple[Cache, jax.Array]:
+def forward(graphdef, params, cache: Cache, tokens, slot_ids, n_new, *,
+            options: Options | None = None) -> tuple[Cache, jax.Array]:
     """One jitted model call (prefill chunk or decode step): (cache, logits f32[B, T, V]).
 
     `graphdef, params = nnx.split(model)` once; the cache is donated. Concrete arguments are
     checked first (`model.check_chunk`): distinct ACTIVE slots in [0, max_slots), n_new in
     [0, T], token ids in [0, vocab_size). Called inside a caller's jit, the device-side rules
-    of `step.begin_append` hold instead.
+    of `append.begin_append` hold instead.
     """
     config = _config_of(graphdef, params)
     check_chunk(config, cache, tokens, slot_ids, n_new)
     return _forward(graphdef, params, cache, jnp.asarray(tokens),
-                    jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32))
+                    jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32),
+                    options=options_or_default(options))
 
 
 _CONFIGS: dict = {}

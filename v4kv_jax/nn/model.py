@@ -28,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v4kv_jax import checks, step
+from v4kv_jax import append, checks
 from v4kv_jax.compressor import rms_norm
-from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax.config import AttentionConfig, LayerKind, Options
 from v4kv_jax.nn.attention import V4Attention, linear
 from v4kv_jax.pools import Cache
+from v4kv_jax.vectors import LayerRef
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ def check_chunk(config: ModelConfig, cache: Cache, tokens, slot_ids, n_new) -> N
                         f"shape {np.shape(x)}")
     if not checks.concrete(tokens, slot_ids, n_new):
         return
-    step.check_rows(cache, slot_ids, n_new, np.shape(tokens)[1])
+    append.check_rows(cache, slot_ids, n_new, np.shape(tokens)[1])
     ids = np.asarray(tokens)
     given = np.arange(ids.shape[1])[None, :] < np.asarray(n_new)[:, None]
     bad = given & ((ids < 0) | (ids >= config.vocab_size))
@@ -161,9 +162,10 @@ class Block(nnx.Module):
         self.mlp = nnx.data(MLP(D, config.mlp_hidden, rngs=rngs, param_dtype=param_dtype)
                             if with_mlp else None)
 
-    def __call__(self, x: jax.Array, cache: Cache, plan: step.AppendPlan, ref: step.LayerRef
-                 ) -> tuple[Cache, jax.Array]:
-        cache, a = self.attn(rms_norm(x, self.attn_norm[...], self.eps), cache, plan, ref)
+    def __call__(self, x: jax.Array, cache: Cache, plan: append.AppendPlan, ref: LayerRef, *,
+                 options: Options | None = None) -> tuple[Cache, jax.Array]:
+        cache, a = self.attn(rms_norm(x, self.attn_norm[...], self.eps), cache, plan, ref,
+                             options=options)
         x = x + a
         if self.mlp is not None:
             x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
@@ -215,8 +217,8 @@ class Decoder(nnx.Module):
 
     # --- forward ---------------------------------------------------------------------------
 
-    def layers(self, x: jax.Array, cache: Cache, plan: step.AppendPlan
-               ) -> tuple[Cache, jax.Array]:
+    def layers(self, x: jax.Array, cache: Cache, plan: append.AppendPlan, *,
+               options: Options | None = None) -> tuple[Cache, jax.Array]:
         """Runs every block over x [B, T, D] (the residual stream), appending to the cache.
 
         One `lax.scan` per layer group (the cache and the residual stream are its carry), or
@@ -225,9 +227,9 @@ class Decoder(nnx.Module):
         att = self.config.attention
         if not self.scan_layers:
             for group, (block,) in zip(self.layout, self.groups, strict=True):
-                ref = step.LayerRef(jnp.int32(group.first),
-                                    jnp.int32(att.kind_index(group.first)), group.pattern[0])
-                cache, x = block(x, cache, plan, ref)
+                ref = LayerRef(jnp.int32(group.first), jnp.int32(att.kind_index(group.first)),
+                               group.pattern[0])
+                cache, x = block(x, cache, plan, ref, options=options)
             return cache, x
         for group, blocks in zip(self.layout, self.groups, strict=True):
             split = [nnx.split(b) for b in blocks]
@@ -240,15 +242,16 @@ class Decoder(nnx.Module):
                 for j, kind in enumerate(group.pattern):
                     state, (layer, kind_layer) = xs[j]
                     block = nnx.merge(split[j][0], state)
-                    cache, h = block(h, cache, plan, step.LayerRef(layer, kind_layer, kind))
+                    cache, h = block(h, cache, plan, LayerRef(layer, kind_layer, kind),
+                                     options=options)
                 return (cache, h), None
 
             xs = [(state, ref) for (_, state), ref in zip(split, refs, strict=True)]
             (cache, x), _ = jax.lax.scan(body, (cache, x), xs)
         return cache, x
 
-    def hidden(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array
-               ) -> tuple[Cache, jax.Array]:
+    def hidden(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array,
+               *, options: Options | None = None) -> tuple[Cache, jax.Array]:
         """Appends a chunk of tokens and returns the final-normed hidden states.
 
         Args:
@@ -257,10 +260,11 @@ class Decoder(nnx.Module):
           cache: the cache.
           slot_ids: i32[B] distinct active slots.
           n_new: i32[B] in [0, T].
+          options: how the ops run (`v4kv_jax.Options`; default: "auto").
 
         Returns:
           (cache, f32[B, T, D]); a slot that could not get its pages appends nothing and is
-          flagged in `cache.state.status` (see `v4kv_jax.pools.SlotStatus`).
+          flagged in its status (see `v4kv_jax.pools.SlotStatus`).
         """
         check_chunk(self.config, cache, tokens, slot_ids, n_new)
         # Inside jit, a row holding a token id outside the vocabulary is rejected (nothing
@@ -269,10 +273,10 @@ class Decoder(nnx.Module):
         n_new = jnp.asarray(n_new, jnp.int32)
         given = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
         outside = jnp.any(given & ((tokens < 0) | (tokens >= V)), axis=1)
-        cache, plan = step.begin_append(cache, slot_ids, n_new, tokens.shape[1], reject=outside)
+        cache, plan = append.begin_append(cache, slot_ids, n_new, tokens.shape[1], reject=outside)
         x = self.embed[...][tokens].astype(jnp.float32)
-        cache, x = self.layers(x, cache, plan)
-        cache = step.end_append(cache, plan)
+        cache, x = self.layers(x, cache, plan, options=options)
+        cache = append.end_append(cache, plan)
         return cache, rms_norm(x, self.norm[...], self.config.attention.rms_eps)
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -280,10 +284,10 @@ class Decoder(nnx.Module):
         head = self.embed if self.lm_head is None else self.lm_head
         return linear(h, head[...])
 
-    def __call__(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array
-                 ) -> tuple[Cache, jax.Array]:
+    def __call__(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array,
+                 *, options: Options | None = None) -> tuple[Cache, jax.Array]:
         """(cache, logits f32[B, T, V]) for a chunk; see `hidden`."""
-        cache, h = self.hidden(tokens, cache, slot_ids, n_new)
+        cache, h = self.hidden(tokens, cache, slot_ids, n_new, options=options)
         return cache, self.logits(h)
 
     # --- layout ----------------------------------------------------------------------------

@@ -24,9 +24,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.common import rotate_lanes, swap_pairs_tpu, tpu_interpret
-from pallas_kernels.compress.blocks import BlockSizes
-from pallas_kernels.compress.pooling import softmax_pool
+from pallas_kernels.common import (
+    lane_frequencies,
+    rotate_lanes,
+    swap_pairs_tpu,
+    tpu_interpret,
+)
+from pallas_kernels.compressor.blocks import BlockSizes
+from pallas_kernels.compressor.pooling import softmax_pool
 
 
 def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, freq_ref, kv_hbm,
@@ -144,7 +149,7 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
 @functools.partial(jax.jit, static_argnames=("ratio", "overlap", "eps", "block_sizes",
                                              "interpret"), donate_argnames=("pool",))
 def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate, start, n_new,
-                 norm, lane_freq, *, ratio: int, overlap: bool, eps: float,
+                 norm, inv_freq, *, ratio: int, overlap: bool, eps: float,
                  block_sizes: BlockSizes | None = None, interpret: bool = False):
     """Pools every block the chunk completes and writes its entry into the pool, in place.
 
@@ -155,7 +160,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
       tail_kv, tail_gate: [n_kind, max_slots, ring, in_width], the rings before the chunk.
       slot_ids, start, n_new: i32[B] slot, length before the chunk, tokens appended.
       kv, gate: [n, B, T, in_width] the chunk (gate biased by ape), read as fp32.
-      norm: f32[n, width]; lane_freq: f32[1, width] (`common.lane_frequencies`).
+      norm: f32[n, width]; inv_freq: f32[r // 2] RoPE frequencies (`rope.inv_frequencies`).
       ratio, overlap, eps: the compressor's m, overlap (CSA) and RMSNorm epsilon.
 
     Returns:
@@ -163,6 +168,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
     """
     n, batch, tokens, _ = kv.shape
     width = pool.shape[-1]
+    lane_freq = lane_frequencies(inv_freq, width)
     slots = 2 * ratio if overlap else ratio
     blocks = -(-tokens // ratio)
     bs = (block_sizes or BlockSizes()).clamped(blocks, slots, width)

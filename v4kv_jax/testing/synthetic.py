@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import oracle
-from v4kv_jax.attention import Queries
-from v4kv_jax.compressor import CompressorInput, CompressorWeights, compressor_specs
+from v4kv_jax import pools
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
-from v4kv_jax.pools import Cache, ClassicalPool, SlotStatus, init_cache
-from v4kv_jax.step import TokenVectors
+from v4kv_jax.layout import compressor_specs
+from v4kv_jax.pools import Cache, SlotStatus, init_cache
+from v4kv_jax.testing import oracle
+from v4kv_jax.vectors import CompressorInput, CompressorWeights, Queries, TokenVectors
 
 
 @dataclasses.dataclass
@@ -107,7 +107,8 @@ class SyntheticBatch:
         return Queries(**fields)
 
     def stacked_queries(self, positions, rows=None) -> Queries:
-        """Queries of every layer at positions i32[B', T], stacked as `step.forward` takes."""
+        """Queries of every layer at positions i32[B', T], stacked as `step.append_and_attend`
+        takes."""
         r, pos = self._index(positions, rows)
         return Queries(
             q=jnp.asarray(self.q[:, r, pos]),
@@ -143,59 +144,53 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
 
     Page tables, lengths, refcounts and the free stack are exactly what appending that many
     tokens leaves (slot b takes its pages after slot b-1); entries, windows and tails are
-    random normal. Pages nobody holds are filled with `fill_unused` (NaN exposes stray reads).
-    Meant for benchmarks and kernel tests at long contexts, where really appending would
-    take minutes.
+    random normal, stored in the geometry's formats. Pages nobody holds are filled with
+    `fill_unused` (NaN exposes stray reads). Meant for benchmarks and kernel tests at long
+    contexts, where really appending would take minutes. Values are drawn with numpy (much
+    faster on CPU than compiling a random program per array shape).
     """
     lengths = np.asarray(lengths, np.int64)
     P = geometry.page_tokens
     need = -(-lengths // P)
     if need.sum() > geometry.num_pages:
-        raise ValueError(f"lengths={lengths.tolist()} need {int(need.sum())} pages; "
-                         f"num_pages={geometry.num_pages}")
+        raise ValueError(f"lengths: expected at most num_pages={geometry.num_pages} pages of "
+                         f"tokens; got {lengths.tolist()} ({int(need.sum())} pages)")
     if lengths.max(initial=0) > geometry.max_seq_len:
-        raise ValueError(f"lengths={lengths.tolist()} exceed max_seq_len={geometry.max_seq_len}")
+        raise ValueError(f"lengths: expected at most max_seq_len={geometry.max_seq_len}; got "
+                         f"{lengths.tolist()}")
     cache = init_cache(model, geometry)
     table = np.full((geometry.max_slots, geometry.max_pages_per_seq), -1, np.int32)
     first = np.concatenate([[0], np.cumsum(need)[:-1]]).astype(np.int32)
     for b, n in enumerate(need):
         table[b, :n] = first[b] + np.arange(n)
     used = int(need.sum())
-    refcount = np.zeros(geometry.num_pages, np.int32)
-    refcount[:used] = 1
+    refcount = (np.arange(geometry.num_pages) < used).astype(np.int32)
     free = np.arange(geometry.num_pages - 1, used - 1, -1, dtype=np.int32)
-    free_stack = np.concatenate([free, np.zeros(used, np.int32)])
+    rng = np.random.default_rng(seed)
 
-    key = jax.random.PRNGKey(seed)
-    page_used = jnp.arange(geometry.num_pages) < used
+    def draw(x, unused_pages=False):
+        values = rng.standard_normal(x.shape).astype(np.float32)
+        if unused_pages:
+            values[:, used:] = fill_unused
+        return jnp.asarray(values, x.dtype)
 
-    def draw(x, salt):
-        k = jax.random.fold_in(key, salt)
-        values = jax.random.normal(k, x.shape, jnp.float32).astype(x.dtype)
-        return values
-
-    def draw_entries(x, salt):
-        values = draw(x, salt)
-        mask = page_used.reshape(1, -1, *([1] * (x.ndim - 2)))
-        return jnp.where(mask, values, jnp.asarray(fill_unused, x.dtype))
-
-    classical = jax.tree.map(draw_entries, cache.classical, ClassicalPool(1, 2, 3))
+    for spec in cache.specs:
+        cache = pools.with_entries(cache, spec.name, draw(pools.entries(cache, spec.name),
+                                                          unused_pages=True))
+        cache = pools.with_tail(cache, spec.name,
+                                jax.tree.map(draw, pools.tail(cache, spec.name)))
+    cache = pools.with_window_ring(cache, draw(pools.window_ring(cache)))
     status = np.zeros(geometry.max_slots, np.int32)
     status[: len(lengths)] = SlotStatus.ACTIVE
     all_lengths = np.zeros(geometry.max_slots, np.int32)
     all_lengths[: len(lengths)] = lengths
-    state = cache.state.replace(
-        lengths=jnp.asarray(all_lengths),
-        status=jnp.asarray(status),
-        window=draw(cache.state.window, 4),
-        **{s.name: jax.tree.map(lambda x, i=i: draw(x, 10 + i), cache.state.tail(s.name))
-           for i, s in enumerate(cache.specs)},
-    )
-    pages = cache.pages.replace(
-        page_table=jnp.asarray(table), free_stack=jnp.asarray(free_stack),
+    cache = pools.with_slots(cache, lengths=jnp.asarray(all_lengths),
+                             status=jnp.asarray(status))
+    return cache.replace(pages=cache.pages.replace(
+        page_table=jnp.asarray(table),
+        free_stack=jnp.asarray(np.concatenate([free, np.zeros(used, np.int32)])),
         num_free=jnp.asarray(geometry.num_pages - used, jnp.int32),
-        refcount=jnp.asarray(refcount))
-    return cache.replace(classical=classical, state=state, pages=pages)
+        refcount=jnp.asarray(refcount)))
 
 
 def owned_masks(cache: Cache) -> dict[str, np.ndarray]:
@@ -212,8 +207,8 @@ def owned_masks(cache: Cache) -> dict[str, np.ndarray]:
       those arrays ([1, S, W, 1], [1, S, ring, 1], [1, pages, P // m, 1]).
     """
     geo = cache.geometry
-    lengths = np.asarray(cache.state.lengths, np.int64)
-    live = np.asarray(cache.state.status) != SlotStatus.FREE
+    lengths = np.asarray(pools.lengths(cache), np.int64)
+    live = np.asarray(pools.status(cache)) != SlotStatus.FREE
     table = np.asarray(cache.pages.page_table)
     S, W = geo.max_slots, cache.model.window
     masks = {"window": np.zeros((1, S, W, 1), bool)}
@@ -249,12 +244,9 @@ def poison_unowned(cache: Cache, value: float = float("nan")) -> Cache:
     def fill(x, mask):
         return jnp.where(jnp.asarray(mask), x, jnp.asarray(value, x.dtype))
 
-    classical = cache.classical
     for spec in cache.specs:
-        classical = classical.with_entries(
-            spec.name, fill(classical.entries(spec.name), masks[f"{spec.name}_entries"]))
-    state = cache.state.replace(
-        window=fill(cache.state.window, masks["window"]),
-        **{s.name: jax.tree.map(lambda x, s=s: fill(x, masks[f"{s.name}_tail"]),
-                                cache.state.tail(s.name)) for s in cache.specs})
-    return cache.replace(classical=classical, state=state)
+        cache = pools.with_entries(cache, spec.name, fill(pools.entries(cache, spec.name),
+                                                          masks[f"{spec.name}_entries"]))
+        cache = pools.with_tail(cache, spec.name, jax.tree.map(
+            lambda x, spec=spec: fill(x, masks[f"{spec.name}_tail"]), pools.tail(cache, spec.name)))
+    return pools.with_window_ring(cache, fill(pools.window_ring(cache), masks["window"]))

@@ -11,6 +11,6 @@ masked scatter into the aliased pool) take the same arguments; the reference is
 block per slot per step).
 """
 
-from pallas_kernels.compress.blocks import BlockSizes
+from pallas_kernels.compressor.blocks import BlockSizes
 
 __all__ = ["BlockSizes"]

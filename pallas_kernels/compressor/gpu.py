@@ -20,9 +20,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import check_power_of_two, rotate_lanes, triton_compiler_params
-from pallas_kernels.compress.blocks import BlockSizes
-from pallas_kernels.compress.pooling import softmax_pool
+from pallas_kernels.common import (
+    check_power_of_two,
+    lane_frequencies,
+    rotate_lanes,
+    triton_compiler_params,
+)
+from pallas_kernels.compressor.blocks import BlockSizes
+from pallas_kernels.compressor.pooling import softmax_pool
 
 # Tiles of [blocks, slots, 32 channels] with blocks * slots <= 128 (4K values per gather).
 DEFAULT_BLOCK_SIZES = BlockSizes(blocks_per_step=64, slot_rows_per_step=128, channels_per_step=32)
@@ -104,12 +109,13 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
                                              "interpret", "num_warps", "num_stages"),
                    donate_argnames=("pool",))
 def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate, start, n_new,
-                 norm, lane_freq, *, ratio: int, overlap: bool, eps: float,
+                 norm, inv_freq, *, ratio: int, overlap: bool, eps: float,
                  block_sizes: BlockSizes | None = None, interpret: bool = False,
                  num_warps: int = 4, num_stages: int = 1):
-    """Same contract as `pallas_kernels.compress.tpu.emit_entries`."""
+    """Same contract as `pallas_kernels.compressor.tpu.emit_entries`."""
     n, batch, tokens, _ = kv.shape
     width = pool.shape[-1]
+    lane_freq = lane_frequencies(inv_freq, width)
     slots = 2 * ratio if overlap else ratio
     blocks = -(-tokens // ratio)
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).for_gpu(blocks, slots, width)

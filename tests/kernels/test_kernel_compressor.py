@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from kernel_cases import IMPLEMENTATIONS, LONG, STORED_TOLERANCE, model_for, random_cache
 
-from pallas_kernels.compress import BlockSizes
-from v4kv_jax import ops
-from v4kv_jax.compressor import compressor_specs
+from pallas_kernels.compressor import BlockSizes
+from v4kv_jax import ops, pools
+from v4kv_jax.layout import compressor_specs
 
 CASES = [(128, "float32", "prefill"), (256, "bfloat16", "prefill"), (128, "bfloat16", "decode"),
          (256, "float32", "decode")]
@@ -49,7 +49,7 @@ def case(request):
         kv, gate = (jnp.asarray(rng.standard_normal((n, batch, tokens, spec.in_width)),
                                 jnp.float32) for _ in range(2))
         inputs = dict(
-            spec=spec, pool=cache.classical.entries(spec.name), tail=cache.state.tail(spec.name),
+            spec=spec, pool=pools.entries(cache, spec.name), tail=pools.tail(cache, spec.name),
             layers=jnp.arange(n, dtype=jnp.int32)[::-1],  # stack order != kernel order
             kv=kv, gate=gate,
             norm=jnp.asarray(1 + 0.1 * rng.standard_normal((n, spec.width)), jnp.float32))
@@ -57,9 +57,10 @@ def case(request):
 
     def emit(x, **kw):
         return np.asarray(ops.emit_entries(
-            x["spec"], model, cache.geometry, jnp.copy(x["pool"]), common["rows"], x["layers"],
-            x["tail"].kv, x["tail"].gate, common["slot_ids"], x["kv"], x["gate"],
-            common["start"], common["n_new"], x["norm"], **kw))
+            x["spec"], model, cache.geometry, pool=jnp.copy(x["pool"]), page_rows=common["rows"],
+            layers=x["layers"], tail_kv=x["tail"].kv, tail_gate=x["tail"].gate,
+            slot_ids=common["slot_ids"], kv=x["kv"], gate=x["gate"], start=common["start"],
+            n_new=common["n_new"], norm=x["norm"], **kw))
 
     want = [emit(x, implementation="reference") for x in specs]
     return types.SimpleNamespace(specs=specs, emit=emit, want=want, dtype=dtype, mode=mode)

@@ -1,0 +1,226 @@
+"""The write side: who appends what, and the writes into the two pools.
+
+  begin_append   check the rows, take the pages the new tokens need (all or nothing per
+                 slot), flag slots that cannot append; returns an `AppendPlan`
+  write_window   window ring writes (position p at row p % W)
+  append_compressor
+                 tail ring writes and the emission (`ops.emit_entries`) of every block the
+                 chunk completes, into its page and row
+  append_layers  both, for every layer
+  end_append     advance the lengths
+
+One mechanism serves decode (T = 1) and prefill (any T, any start length, any chunking).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from v4kv_jax import checks, ops, paging, pools, storage
+from v4kv_jax import compressor as comp
+from v4kv_jax.config import Options
+from v4kv_jax.layout import CompressorSpec
+from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.vectors import CompressorInput, CompressorParams, CompressorWeights, TokenVectors
+
+
+@struct.dataclass
+class AppendPlan:
+    """Who appends how much in one step.
+
+    Attributes:
+      slot_ids: i32[B], the row's slot, or max_slots for a row that neither reads nor writes
+        any slot (its slot id was outside [0, max_slots), or the row broke a rule).
+      start: i32[B], the slot's length before the append (0 for such rows).
+      n_new: i32[B], tokens granted (0 for a row that appends nothing).
+    """
+
+    slot_ids: jax.Array
+    start: jax.Array
+    n_new: jax.Array
+
+    @property
+    def end(self) -> jax.Array:
+        return self.start + self.n_new
+
+    def positions(self, tokens: int) -> jax.Array:
+        """i32[B, T]: the absolute positions of the chunk's tokens (RoPE positions)."""
+        return self.start[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
+
+
+def page_rows(cache: Cache, slot_ids: jax.Array) -> jax.Array:
+    """i32[B, max_pages_per_seq]: the page-table rows of `slot_ids` (`paging.slot_rows`)."""
+    return paging.slot_rows(cache.pages, slot_ids)
+
+
+def read_slots(cache: Cache, slot_ids: jax.Array) -> jax.Array:
+    """Slot ids clipped into [0, max_slots) for reads of per-slot State rows; callers mask
+    what a clipped row reads by its length (0 for rows that read nothing)."""
+    return jnp.clip(slot_ids, 0, cache.geometry.max_slots - 1)
+
+
+def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
+    """Concrete checks of one call's rows: distinct slots in range (or -1 for a padding row,
+    which must append nothing), n_new in [0, tokens], and every slot that appends is ACTIVE."""
+    S = cache.geometry.max_slots
+    ids = checks.slot_ids(slot_ids, S, padding=True)
+    n = checks.int_array("n_new", n_new, ndim=1)
+    if n.shape != ids.shape:
+        checks.fail("n_new", f"shape {ids.shape} (one count per slot id)", f"shape {n.shape}")
+    if n.size and (n.min() < 0 or n.max() > tokens):
+        checks.fail("n_new", f"counts in [0, {tokens}] (the chunk length)", n)
+    status = np.asarray(pools.status(cache))
+    for row, (slot, count) in enumerate(zip(ids.tolist(), n.tolist(), strict=True)):
+        if slot < 0:
+            if count:
+                checks.fail("n_new", "0 for a padding row (slot id -1)",
+                            f"{count} at row {row}")
+            continue
+        st = SlotStatus(int(status[slot]))
+        if count > 0 and st != SlotStatus.ACTIVE:
+            hint = ("reset_slot it first" if st == SlotStatus.FREE
+                    else "pools.clear_flags it once the cause is fixed")
+            checks.fail("slot_ids", f"ACTIVE slots for rows that append ({hint})",
+                        f"slot {slot} {st.name}")
+
+
+def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
+                 ) -> tuple[Cache, AppendPlan]:
+    """Takes the pages `n_new` more tokens need in each slot; flags slots that cannot append.
+
+    Device-side rules (they hold inside a caller's jit, where nothing can raise):
+      * a row whose slot id is outside [0, max_slots) (e.g. -1 for batch padding) appends
+        nothing and reads nothing (its attention output is zeros);
+      * a row naming a slot an earlier row of the call already named, a row with n_new
+        outside [0, tokens], and a row marked in `reject` append and read nothing, and their
+        slot is flagged REJECTED (unless FREE);
+      * a slot that is not ACTIVE (FREE or flagged) appends nothing;
+      * a slot whose pages do not fit appends nothing and is flagged OUT_OF_PAGES, one that
+        would pass `max_seq_len` OVER_CAPACITY (`pools.clear_flags` makes them ACTIVE).
+    Called with concrete arguments, the first two rules raise ValueError instead.
+
+    Args:
+      cache: the cache.
+      slot_ids: i32[B], distinct slots.
+      n_new: i32[B], tokens each slot appends (0 <= n_new <= tokens).
+      tokens: T, the static chunk length (>= 1).
+      reject: optional bool[B], rows the caller found invalid (e.g. token ids outside the
+        vocabulary).
+    """
+    geo = cache.geometry
+    S = geo.max_slots
+    tokens = checks.integer("tokens", tokens, lo=1)
+    if checks.concrete(slot_ids, n_new):
+        check_rows(cache, slot_ids, n_new, tokens)
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    n_new = jnp.asarray(n_new, jnp.int32)
+    in_range = (slot_ids >= 0) & (slot_ids < S)
+    row = jnp.arange(slot_ids.shape[0])
+    repeated = jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
+                       axis=1)
+    broken = repeated | (n_new < 0) | (n_new > tokens)
+    if reject is not None:
+        broken = broken | jnp.asarray(reject, bool)
+    ok = in_range & ~broken
+    ids = jnp.where(ok, slot_ids, S)
+    read = jnp.clip(ids, 0, S - 1)
+    status = jnp.where(ok, pools.status(cache)[read], SlotStatus.FREE)
+    start = jnp.where(ok, pools.lengths(cache)[read], 0)
+    wants = (n_new > 0) & (status == SlotStatus.ACTIVE)
+    over = start + n_new > geo.max_seq_len
+    max_new_pages = -(-tokens // geo.page_tokens) + 1
+    pages, granted = paging.allocate(cache.pages, ids, start + n_new, wants & ~over,
+                                     geo.page_tokens, max_new_pages)
+    flag = jnp.where(over, SlotStatus.OVER_CAPACITY, SlotStatus.OUT_OF_PAGES)
+    new_status = pools.status(cache).at[ids].max(jnp.where(wants & ~granted, flag, status),
+                                                mode="drop")
+    # A broken row flags the slot it named, unless that slot is FREE (nothing to protect).
+    named = jnp.where(in_range & broken, slot_ids, S)
+    current = new_status[jnp.clip(named, 0, S - 1)]
+    new_status = new_status.at[named].max(
+        jnp.where(current != SlotStatus.FREE, SlotStatus.REJECTED, SlotStatus.FREE), mode="drop")
+    plan = AppendPlan(slot_ids=ids, start=start, n_new=jnp.where(granted, n_new, 0))
+    return pools.with_slots(cache.replace(pages=pages), status=new_status), plan
+
+
+def end_append(cache: Cache, plan: AppendPlan) -> Cache:
+    """Advances the lengths of the slots that appended."""
+    lengths = pools.lengths(cache).at[plan.slot_ids].add(plan.n_new, mode="drop")
+    return pools.with_slots(cache, lengths=lengths)
+
+
+def after(x: jax.Array, dep: jax.Array) -> jax.Array:
+    """x, bit for bit, data-dependent on `dep` through a term that is always +0 (NaN included;
+    x - (+0) keeps even -0) and that XLA cannot fold.
+
+    XLA:CPU puts an in-place write of a buffer after an earlier read of it only when the
+    written values depend on the read; otherwise (an optimization barrier does not help) it
+    copies the whole buffer, every step. Pass the read's result as `dep`.
+    """
+    d = dep.ravel()[0]
+    return x - ((d != d) & (d == d)).astype(x.dtype)
+
+
+def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
+                  ) -> Cache:
+    """window: [n, B, T, hd] for global layers `layers` i32[n]."""
+    W = cache.model.window
+    tokens = window.shape[2]
+    j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    n = plan.n_new[:, None]
+    keep = (j < n) & (j >= n - W)  # each ring row written at most once
+    row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
+    stored = pools.window_ring(cache)
+    ring = stored.at[layers[:, None, None], plan.slot_ids[None, :, None], row[None]].set(
+        storage.encode(window, stored), mode="drop")
+    return pools.with_window_ring(cache, ring)
+
+
+def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
+                      layers: jax.Array, inputs: CompressorInput, params: CompressorParams,
+                      options: Options | None = None) -> Cache:
+    """Tail writes and entry emission of one compressor for the layers `layers` (kind stack
+    indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width]."""
+    model, geo = cache.model, cache.geometry
+    tokens = inputs.kv.shape[2]
+    positions = plan.positions(tokens)
+    kv = inputs.kv.astype(jnp.float32)
+    gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
+                                                                              params.ape)
+    tail = pools.tail(cache, spec.name)
+    pool = ops.emit_entries(
+        spec, model, geo, options, pool=pools.entries(cache, spec.name),
+        page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
+        tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
+        start=plan.start, n_new=plan.n_new, norm=params.norm)
+
+    ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
+    idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
+    # The emission read the tails: the writes below must come after it.
+    new_tail = tail.replace(
+        kv=tail.kv.at[idx].set(storage.encode(after(kv, pool), tail.kv), mode="drop"),
+        gate=tail.gate.at[idx].set(storage.encode(after(gate, pool), tail.gate), mode="drop"),
+    )
+    return pools.with_tail(pools.with_entries(cache, spec.name, pool), spec.name, new_tail)
+
+
+def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
+                  weights: CompressorWeights, options: Options | None = None) -> Cache:
+    """Appends the planned tokens to every layer."""
+    model = cache.model
+    cache = write_window(cache, plan, jnp.arange(model.num_layers, dtype=jnp.int32),
+                         vectors.window)
+    for spec in cache.specs:
+        n = len(model.layers_of(spec.kind))
+        if n:
+            cache = append_compressor(cache, plan, spec, jnp.arange(n, dtype=jnp.int32),
+                                      vectors.compressor(spec.name),
+                                      getattr(weights, spec.name), options)
+    return cache
+
+
+__all__ = ["AppendPlan", "after", "append_compressor", "append_layers", "begin_append",
+           "check_rows", "end_append", "page_rows", "read_slots", "write_window"]
