@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.extend
@@ -386,3 +388,61 @@ def test_write_ordering_dependency_keeps_values_bit_for_bit():
     for dep in (jnp.asarray([jnp.nan]), jnp.asarray([[2.0, 1.0]]), jnp.asarray([-jnp.inf])):
         got = append.after(x, dep)
         np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(x).view(np.int32))
+
+
+def _one_layer(data, layer: int, pos, rows):
+    """LayerVectors, Queries and LayerParams of one layer at positions pos [B, T]."""
+    vec, k, kind = data.take(pos, rows), MODEL.kind_index(layer), MODEL.layer_kinds[layer]
+    names = {LayerKind.CSA: ("csa", "csa_index"), LayerKind.HCA: ("hca", None)}[kind]
+
+    def pick(tree):
+        return None if tree is None else jax.tree.map(lambda x: x[k], tree)
+
+    vectors = v4.LayerVectors(window=vec.window[layer],
+                              compressor=pick(getattr(vec, names[0])),
+                              index_compressor=pick(names[1] and getattr(vec, names[1])))
+    params = v4.LayerParams(pick(getattr(data.weights, names[0])),
+                            pick(names[1] and getattr(data.weights, names[1])))
+    return vectors, data.queries(layer, pos, rows), params
+
+
+@functools.partial(jax.jit, static_argnames="layer")
+def _layer_with_picks(cache, vectors, queries, params, n_new, layer):
+    cache, plan = append.begin_append(cache, jnp.arange(2), n_new, vectors.window.shape[1])
+    cache, out, picks = step.layer_step(cache, plan, v4.LayerRef.of_config(MODEL, layer),
+                                        vectors, queries, params, with_picks=True)
+    return append.end_append(cache, plan), out, picks
+
+
+@pytest.mark.parametrize("tokens", [CHUNK, 1])
+def test_layer_step_returns_the_indexers_picks(tokens):
+    """with_picks: the CSA picks of every query (prefill tiles and decode) are the oracle's
+    top-k sets wherever the cut has a margin; HCA layers have none."""
+    data = synthetic.SyntheticBatch.draw(MODEL, 2, 120, seed=9)
+    lengths = np.asarray([70, 33])
+    cache, _ = run_chunks(new_cache(), data, chunk_plan(lengths, [CHUNK]), rows=[0, 1],
+                          with_attention=False)
+    pos = lengths[:, None] + np.arange(tokens)[None, :]
+    layer = MODEL.layers_of(LayerKind.CSA)[0]
+    _, _, picks = _layer_with_picks(cache, *_one_layer(data, layer, pos, [0, 1]),
+                                    jnp.full(2, tokens, jnp.int32), layer)
+    assert picks.shape == (2, tokens, MODEL.index_topk)
+    inv_freq = oracle.inv_frequencies(MODEL, LayerKind.CSA)
+    compared = 0
+    for b in range(2):
+        h = data.history(layer, b)
+        end = int(pos[b, -1]) + 1
+        keys = oracle.compress(h.index_kv, h.index_gate, h.index_ape, h.index_norm,
+                               MODEL.csa_ratio, True, inv_freq, MODEL.rms_eps, end)
+        for j, t in enumerate(pos[b]):
+            want, margin = oracle.topk_picks(MODEL, h, int(t), keys)
+            if margin < 1e-4:
+                continue
+            got = sorted(int(i) for i in np.asarray(picks[b, j]) if i >= 0)
+            assert got == sorted(want), (b, int(t))
+            compared += 1
+    assert compared >= tokens
+    hca = MODEL.layers_of(LayerKind.HCA)[0]
+    _, _, none = _layer_with_picks(cache, *_one_layer(data, hca, pos, [0, 1]),
+                                   jnp.full(2, tokens, jnp.int32), hca)
+    assert none is None
