@@ -1,12 +1,14 @@
 """v4kv_jax: the DeepSeek-V4 KV cache (Classical + State pools) and attention in JAX."""
 
-from v4kv_jax.append import AppendPlan, begin_append, end_append
+from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
 from v4kv_jax.attention import output_projection
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
     SlotStatus,
+    StateSnapshot,
+    attach_prefix,
     clear_flags,
     init_cache,
     inspect_slots,
@@ -14,6 +16,8 @@ from v4kv_jax.pools import (
     read_slot,
     release_slot,
     reset_slot,
+    restore_state,
+    snapshot_state,
 )
 from v4kv_jax.step import (
     append_and_attend,
@@ -22,6 +26,7 @@ from v4kv_jax.step import (
     layer_step,
     layers_step,
     prefill,
+    replay,
 )
 from v4kv_jax.vectors import (
     CompressorInput,
@@ -37,8 +42,9 @@ from v4kv_jax.vectors import (
 __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput", "CompressorParams",
     "CompressorWeights", "LayerKind", "LayerParams", "LayerRef", "LayerVectors", "MemoryReport",
-    "Options", "Queries", "SlotStatus", "TokenVectors", "append_and_attend", "begin_append",
-    "clear_flags", "decode_attention", "decode_step", "end_append", "flash", "init_cache",
-    "inspect_slots", "layer_step", "layers_step", "memory_report", "output_projection", "prefill",
-    "pro", "read_slot", "release_slot", "reset_slot", "tiny",
+    "Options", "Queries", "SlotStatus", "StateSnapshot", "TokenVectors", "append_and_attend",
+    "attach_prefix", "begin_append", "clear_flags", "decode_attention", "decode_step",
+    "end_append", "flash", "init_cache", "inspect_slots", "layer_step", "layers_step",
+    "memory_report", "output_projection", "prefill", "pro", "read_slot", "release_slot",
+    "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state", "tiny",
 ]

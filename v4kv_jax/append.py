@@ -2,6 +2,9 @@
 
   begin_append   check the rows, take the pages the new tokens need (all or nothing per
                  slot), flag slots that cannot append; returns an `AppendPlan`
+  replay_plan    a state-only plan: tokens already in a slot's pages (e.g. a shared prefix)
+                 are appended again to rebuild the State only (window ring and tails); no
+                 page, entry or length changes
   write_window   window ring writes (position p at row p % W)
   append_compressor
                  tail ring writes and the emission (`ops.emit_entries`) of every block the
@@ -36,11 +39,15 @@ class AppendPlan:
         any slot (its slot id was outside [0, max_slots), or the row broke a rule).
       start: i32[B], the slot's length before the append (0 for such rows).
       n_new: i32[B], tokens granted (0 for a row that appends nothing).
+      state_only: (static) a replay (`replay_plan`): the writes touch the window rings and
+        the compressor tails only, never the Classical pool, and `end_append` leaves the
+        lengths as they are; attention reads the entries already in the slot's pages.
     """
 
     slot_ids: jax.Array
     start: jax.Array
     n_new: jax.Array
+    state_only: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def end(self) -> jax.Array:
@@ -146,8 +153,73 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
     return pools.with_slots(cache.replace(pages=pages), status=new_status), plan
 
 
+def check_replay(cache: Cache, slot_ids, start, n_new, tokens: int) -> None:
+    """Concrete checks of a replay's rows: those of `check_rows`, and a start per row with
+    0 <= start and start + n_new <= the slot's length (a replay rewrites tokens the slot
+    already holds)."""
+    check_rows(cache, slot_ids, n_new, tokens)
+    ids = np.asarray(slot_ids)
+    first = checks.int_array("start", start, ndim=1)
+    if first.shape != ids.shape:
+        checks.fail("start", f"shape {ids.shape} (one start per slot id)", f"shape {first.shape}")
+    lengths = np.asarray(pools.lengths(cache))
+    for row, (slot, s, n) in enumerate(zip(ids.tolist(), first.tolist(),
+                                            np.asarray(n_new).tolist(), strict=True)):
+        if slot < 0 or n == 0:
+            continue
+        if s < 0 or s + n > lengths[slot]:
+            checks.fail("start", "0 <= start and start + n_new <= the slot's length (a replay "
+                        "rewrites tokens already appended)",
+                        f"start {s}, n_new {n} at row {row} for slot {slot} of length "
+                        f"{int(lengths[slot])}")
+
+
+def replay_plan(cache: Cache, slot_ids, start, n_new, tokens: int) -> AppendPlan:
+    """A state-only plan (`AppendPlan.state_only`): positions [start, start + n_new) of each
+    slot, tokens the slot already holds (its length and pages stay as they are).
+
+    Running the layers with it (`append_layers`, `step.layer_step`, a model's layers)
+    rewrites the window rings and compressor tails of those positions from the given
+    vectors and writes no entry; attention reads the entries already in the slot's pages
+    (for a prefix attached with `pools.attach_prefix`, the shared ones). This is how a slot
+    that took shared pages rebuilds the State at their boundary (see `step.replay`).
+
+    Device-side rules: a row whose slot id is outside [0, max_slots), that names a slot an
+    earlier row named, whose slot is not ACTIVE, or with n_new outside [0, tokens], start < 0
+    or start + n_new past the slot's length writes and reads nothing (no slot is flagged: a
+    replay changes no status). Called with concrete arguments, broken rows raise ValueError
+    (`check_replay`) instead.
+
+    Args:
+      cache: the cache.
+      slot_ids: i32[B], distinct slots (-1: a padding row with n_new 0).
+      start: i32[B], the first replayed position of each row.
+      n_new: i32[B], tokens each row replays (0 <= n_new <= tokens).
+      tokens: T, the static chunk length (>= 1).
+    """
+    S = cache.geometry.max_slots
+    tokens = checks.integer("tokens", tokens, lo=1)
+    if checks.concrete(slot_ids, start, n_new):
+        check_replay(cache, slot_ids, start, n_new, tokens)
+    slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    n_new = jnp.asarray(n_new, jnp.int32)
+    row = jnp.arange(slot_ids.shape[0])
+    repeated = jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
+                       axis=1)
+    in_range = (slot_ids >= 0) & (slot_ids < S)
+    read = jnp.clip(slot_ids, 0, S - 1)
+    ok = (in_range & ~repeated & (pools.status(cache)[read] == SlotStatus.ACTIVE)
+          & (n_new >= 0) & (n_new <= tokens) & (start >= 0)
+          & (start + n_new <= pools.lengths(cache)[read]))
+    return AppendPlan(slot_ids=jnp.where(ok, slot_ids, S), start=jnp.where(ok, start, 0),
+                      n_new=jnp.where(ok, n_new, 0), state_only=True)
+
+
 def end_append(cache: Cache, plan: AppendPlan) -> Cache:
-    """Advances the lengths of the slots that appended."""
+    """Advances the lengths of the slots that appended (a replay's plan changes nothing)."""
+    if plan.state_only:
+        return cache
     lengths = pools.lengths(cache).at[plan.slot_ids].add(plan.n_new, mode="drop")
     return pools.with_slots(cache, lengths=lengths)
 
@@ -183,7 +255,9 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
                       layers: jax.Array, inputs: CompressorInput, params: CompressorParams,
                       options: Options | None = None) -> Cache:
     """Tail writes and entry emission of one compressor for the layers `layers` (kind stack
-    indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width]."""
+    indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width].
+
+    With a state-only plan (`replay_plan`) only the tails are written: no entry is emitted."""
     model, geo = cache.model, cache.geometry
     tokens = inputs.kv.shape[2]
     positions = plan.positions(tokens)
@@ -191,14 +265,18 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
                                                                               params.ape)
     tail = pools.tail(cache, spec.name)
+    ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
+    idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
+    if plan.state_only:
+        return pools.with_tail(cache, spec.name, tail.replace(
+            kv=tail.kv.at[idx].set(storage.encode(kv, tail.kv), mode="drop"),
+            gate=tail.gate.at[idx].set(storage.encode(gate, tail.gate), mode="drop")))
     pool = ops.emit_entries(
         spec, model, geo, options, pool=pools.entries(cache, spec.name),
         page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
         tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
         start=plan.start, n_new=plan.n_new, norm=params.norm)
 
-    ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
-    idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
     # The emission read the tails: the writes below must come after it.
     new_tail = tail.replace(
         kv=tail.kv.at[idx].set(storage.encode(after(kv, pool), tail.kv), mode="drop"),
@@ -223,4 +301,5 @@ def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
 
 
 __all__ = ["AppendPlan", "after", "append_compressor", "append_layers", "begin_append",
-           "check_rows", "end_append", "page_rows", "read_slots", "write_window"]
+           "check_replay", "check_rows", "end_append", "page_rows", "read_slots", "replay_plan",
+           "write_window"]

@@ -102,6 +102,46 @@ def allocate(pages: PageState, slot_ids: jax.Array, new_lengths: jax.Array,
     return pages.replace(page_table=page_table, num_free=remaining, refcount=refcount), granted
 
 
+def attach(pages: PageState, slot: jax.Array, page_ids: jax.Array, n_pages: jax.Array
+           ) -> tuple[PageState, jax.Array]:
+    """Gives an empty page-table row the pages `page_ids[:n_pages]` (refcount + 1 each),
+    all or nothing: the pages another request holds become a shared prefix of this one.
+
+    Nothing changes (and `ok` is False) unless: `slot` is in [0, max_slots) and holds no
+    page; 0 <= n_pages <= min(len(page_ids), max_pages_per_seq); the used ids are distinct,
+    in [0, num_pages) and in use (refcount > 0). Later appends to the slot allocate after
+    the held prefix (`allocate`), so the shared pages are never written through this row.
+
+    Args:
+      slot: i32[] the slot.
+      page_ids: i32[k] page ids (entries past n_pages are ignored).
+      n_pages: i32[] pages to attach.
+
+    Returns:
+      (pages, ok bool[]).
+    """
+    S, M = pages.page_table.shape
+    N = pages.num_pages
+    slot = jnp.asarray(slot, jnp.int32)
+    ids = jnp.asarray(page_ids, jnp.int32).reshape(-1)
+    n = jnp.asarray(n_pages, jnp.int32)
+    k = ids.shape[0]
+    j = jnp.arange(k, dtype=jnp.int32)
+    used = j < n
+    valid_id = (ids >= 0) & (ids < N)
+    in_use = valid_id & (pages.refcount[jnp.clip(ids, 0, N - 1)] > 0)
+    dup = jnp.any((ids[:, None] == ids[None, :]) & used[:, None] & used[None, :]
+                  & (j[:, None] < j[None, :]))
+    inside = (slot >= 0) & (slot < S)
+    empty = held_pages(pages.page_table[jnp.clip(slot, 0, S - 1)][None])[0] == 0
+    ok = (inside & empty & (n >= 0) & (n <= min(k, M)) & jnp.all(~used | in_use) & ~dup)
+    take = used & ok
+    page_table = pages.page_table.at[jnp.where(take, slot, S), jnp.where(take, j, M)].set(
+        ids, mode="drop")
+    refcount = pages.refcount.at[jnp.where(take, ids, N)].add(1, mode="drop")
+    return pages.replace(page_table=page_table, refcount=refcount), ok
+
+
 def release(pages: PageState, slot_mask: jax.Array) -> PageState:
     """Drops the page references of the slots in `slot_mask`; pages reaching 0 become free."""
     rows = jnp.where(slot_mask[:, None], pages.page_table, -1)

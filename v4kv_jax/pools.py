@@ -243,6 +243,175 @@ def clear_flags(cache: Cache, slots) -> Cache:
         status=jnp.where(flagged, SlotStatus.ACTIVE, status)))
 
 
+# --- prefix sharing: attach shared pages, move a request's State in and out -----------------
+
+
+def attach_prefix(cache: Cache, slot, page_ids, n_pages) -> Cache:
+    """A fresh slot takes the full pages `page_ids[:n_pages]` of another request as its
+    prefix: its page-table row gets them (refcount + 1 each, one physical copy) and its
+    length becomes n_pages * page_tokens.
+
+    Only whole pages are attachable (a full page is immutable; a partly filled one is never
+    shared). Appends past the prefix take new pages of the slot's own. The slot's State
+    (window ring, tails) is NOT valid after this call: restore a snapshot taken at the
+    boundary (`restore_state`) or rebuild it with `step.replay` / `nn.Decoder.replay` before
+    the slot decodes.
+
+    Args:
+      cache: the cache.
+      slot: the slot, fresh from `reset_slot` (ACTIVE, length 0, no pages).
+      page_ids: i32[k] page ids in use (refcount > 0), distinct, e.g. a row of another
+        slot's page table; entries past n_pages are ignored.
+      n_pages: pages to attach, 0 <= n_pages <= min(k, max_pages_per_seq).
+
+    Called with concrete arguments, a broken rule raises ValueError (TypeError for a wrong
+    type); inside a caller's jit a call that breaks one changes nothing.
+    """
+    geo = cache.geometry
+    S, M = geo.max_slots, geo.max_pages_per_seq
+    if checks.concrete(slot, page_ids, n_pages, cache.state.status, cache.pages.refcount):
+        s = checks.slot(slot, S)
+        st = SlotStatus(int(cache.state.status[s]))
+        length = int(cache.state.lengths[s])
+        held = int(np.sum(np.asarray(cache.pages.page_table[s]) >= 0))
+        if st != SlotStatus.ACTIVE or length or held:
+            checks.fail("slot", "a fresh slot (ACTIVE, length 0, no pages: reset_slot it "
+                        "first)", f"slot {s} {st.name} with length {length} and {held} page(s)")
+        ids = checks.int_array("page_ids", page_ids, ndim=1)
+        if isinstance(n_pages, (np.ndarray, jax.Array)):
+            checks.shape("n_pages", n_pages, ())
+            checks.dtype_kind("n_pages", n_pages, "integer")
+            n_pages = int(n_pages)
+        n = checks.integer("n_pages", n_pages, lo=0, hi=min(ids.shape[0], M))
+        used = ids[:n]
+        if used.size and (used.min() < 0 or used.max() >= geo.num_pages):
+            checks.fail("page_ids", f"page ids in [0, {geo.num_pages}) (num_pages)", used)
+        if len(set(used.tolist())) != used.size:
+            checks.fail("page_ids", "distinct page ids", used)
+        refcount = np.asarray(cache.pages.refcount)
+        free = [p for p in used.tolist() if refcount[p] <= 0]
+        if free:
+            checks.fail("page_ids", "pages in use (refcount > 0: full pages another request "
+                        "holds)", f"page {free[0]} with refcount {int(refcount[free[0]])}")
+    slot = jnp.asarray(slot, jnp.int32)
+    read = jnp.clip(slot, 0, S - 1)
+    fresh = ((cache.state.status[read] == SlotStatus.ACTIVE) & (cache.state.lengths[read] == 0))
+    n = jnp.asarray(n_pages, jnp.int32)
+    # A slot that is not fresh is named out of range, so that nothing changes.
+    pages, ok = paging.attach(cache.pages, jnp.where(fresh, slot, S), page_ids, n)
+    mask = _slot_mask(cache, slot) & ok
+    return with_slots(cache.replace(pages=pages),
+                      lengths=jnp.where(mask, n * geo.page_tokens, cache.state.lengths))
+
+
+@struct.dataclass
+class StateSnapshot:
+    """One request's State, out of its slot (as stored): enough to resume it in a slot that
+    holds the same pages (`restore_state`).
+
+    Attributes:
+      window: [n_layers, W, hd], the window ring (position p at row p % W).
+      tails: compressor name -> `Tail` of [n_kind_layers, ring, in_width].
+      length: i32[], tokens appended.
+    """
+
+    window: jax.Array
+    tails: dict
+    length: jax.Array
+
+
+def snapshot_state(cache: Cache, slot) -> StateSnapshot:
+    """The State of `slot` (window ring, every compressor's tails, length), bit for bit.
+
+    A concrete slot outside [0, max_slots) or FREE raises ValueError; inside a caller's jit
+    an id outside [0, max_slots) gives zeros and length 0.
+    """
+    S = cache.geometry.max_slots
+    if checks.concrete(slot, cache.state.status):
+        s = checks.slot(slot, S)
+        if int(cache.state.status[s]) == SlotStatus.FREE:
+            checks.fail("slot", "a slot holding a request (not FREE)", f"slot {s} FREE")
+    slot = jnp.asarray(slot, jnp.int32)
+    inside = (slot >= 0) & (slot < S)
+    read = jnp.clip(slot, 0, S - 1)
+
+    def take(x):
+        return jnp.where(inside, x[:, read], jnp.zeros((), x.dtype))
+
+    return StateSnapshot(
+        window=take(window_ring(cache)),
+        tails={spec.name: jax.tree.map(take, tail(cache, spec.name)) for spec in cache.specs},
+        length=jnp.where(inside, cache.state.lengths[read], 0),
+    )
+
+
+def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
+    """Puts a `snapshot_state` back into `slot`: window ring and tails bit for bit, length
+    from the snapshot (status and pages unchanged).
+
+    The slot must hold a request (not FREE) and exactly the pages the snapshot's length
+    needs (ceil(length / page_tokens)): e.g. the same request's slot, or one that took the
+    request's full pages with `attach_prefix` when the snapshot was taken at a page boundary.
+    Called with concrete arguments, a broken rule or a snapshot of another geometry raises
+    ValueError (TypeError for a wrong type or dtype); inside a caller's jit a call that
+    breaks a rule on values changes nothing.
+    """
+    geo = cache.geometry
+    S, P = geo.max_slots, geo.page_tokens
+    if not isinstance(snapshot, StateSnapshot):
+        checks.fail("snapshot", "a pools.StateSnapshot", type(snapshot).__name__, TypeError)
+    # What a snapshot of this cache looks like (shapes and dtypes only; nothing is computed).
+    want = jax.eval_shape(lambda c: snapshot_state(c, 0), cache)
+    if set(snapshot.tails) != set(want.tails):
+        checks.fail("snapshot.tails", f"the compressors {sorted(want.tails)}",
+                    sorted(snapshot.tails))
+    for path, w in jax.tree_util.tree_leaves_with_path(want):
+        name = "snapshot" + "".join(
+            f".{getattr(k, 'name', getattr(k, 'key', k))}" for k in path)
+        x = _at_path(snapshot, path)
+        checks.shape(name, x, w.shape)
+        if np.dtype(x.dtype) != np.dtype(w.dtype) and name != "snapshot.length":
+            checks.fail(name, f"dtype {np.dtype(w.dtype)} (the cache's)",
+                        f"dtype {np.dtype(x.dtype)}", TypeError)
+    checks.shape("snapshot.length", snapshot.length, ())
+    checks.dtype_kind("snapshot.length", snapshot.length, "integer")
+    if checks.concrete(slot, snapshot.length, cache.state.status, cache.pages.page_table):
+        s = checks.slot(slot, S)
+        st = SlotStatus(int(cache.state.status[s]))
+        if st == SlotStatus.FREE:
+            checks.fail("slot", "a slot holding a request (not FREE: reset_slot it first)",
+                        f"slot {s} FREE")
+        held = int(np.sum(np.asarray(cache.pages.page_table[s]) >= 0))
+        length = int(snapshot.length)
+        if length < 0 or -(-length // P) != held:
+            lo, hi = max(0, (held - 1) * P + 1) if held else 0, held * P
+            checks.fail("snapshot.length", f"a length the slot's {held} page(s) hold "
+                        f"(in [{lo}, {hi}])", f"{length} for slot {s}")
+    slot = jnp.asarray(slot, jnp.int32)
+    read = jnp.clip(slot, 0, S - 1)
+    length = jnp.asarray(snapshot.length, jnp.int32)
+    held = paging.held_pages(cache.pages.page_table[read][None])[0]
+    ok = ((slot >= 0) & (slot < S) & (cache.state.status[read] != SlotStatus.FREE)
+          & (length >= 0) & (paging.pages_for(length, P) == held))
+    dest = jnp.where(ok, slot, S)
+
+    def put(stored, value):
+        return stored.at[:, dest].set(value, mode="drop")
+
+    cache = with_window_ring(cache, put(window_ring(cache), snapshot.window))
+    for spec in cache.specs:
+        cache = with_tail(cache, spec.name, jax.tree.map(put, tail(cache, spec.name),
+                                                          snapshot.tails[spec.name]))
+    return with_slots(cache, lengths=cache.state.lengths.at[dest].set(length, mode="drop"))
+
+
+def _at_path(tree, path):
+    """The leaf of `tree` at a `jax.tree_util` key path."""
+    for k in path:
+        tree = tree[k.key] if hasattr(k, "key") else getattr(tree, k.name)
+    return tree
+
+
 # --- inspection and memory report (host side) ------------------------------------------------
 
 
@@ -433,7 +602,8 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 
 __all__ = [
     "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "SlotContents", "SlotReport",
-    "SlotStatus", "StatePool", "Tail", "classical_bytes_per_token", "clear_flags",
-    "dense_cache_bytes_per_token", "init_cache", "inspect_slots", "memory_report", "read_slot",
-    "release_slot", "reset_slot", "state_bytes_per_request",
+    "SlotStatus", "StatePool", "StateSnapshot", "Tail", "attach_prefix",
+    "classical_bytes_per_token", "clear_flags", "dense_cache_bytes_per_token", "init_cache",
+    "inspect_slots", "memory_report", "read_slot", "release_slot", "reset_slot",
+    "restore_state", "snapshot_state", "state_bytes_per_request",
 ]

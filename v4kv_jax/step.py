@@ -9,6 +9,7 @@ jitted entry points run the whole step with the cache donated:
   prefill            append a chunk to every layer, no attention
   decode_step        append one token to every active slot, no attention
   decode_attention   read one layer's attention of each slot's last token
+  replay             rewrite the State (window rings, tails) of tokens a slot already holds
 
 How the ops run (reference or Pallas kernels, read tiling) is `Options`, passed to the calls.
 """
@@ -88,7 +89,8 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
 
     Args:
       cache: after `append.begin_append`.
-      plan: from `append.begin_append`.
+      plan: from `append.begin_append`, or `append.replay_plan` (a replay: the window and
+        tails are rewritten, no entry is emitted, attention reads the slot's entries).
       ref: the layer.
       vectors: the layer's new-token vectors [B, T, ...].
       queries: the layer's queries for the same T tokens.
@@ -377,8 +379,16 @@ def jitted(fn):
     return jax.jit(fn, donate_argnums=0, static_argnames=("options",))
 
 
+def _replay_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
+                slot_ids: jax.Array, start: jax.Array, n_new: jax.Array,
+                options: Options) -> Cache:
+    plan = append.replay_plan(cache, slot_ids, start, n_new, vectors.window.shape[2])
+    return append.append_layers(cache, plan, vectors, weights, options)
+
+
 _append_all_jit = jitted(_append_all)
 _append_attend_all_jit = jitted(_append_attend_all)
+_replay_all_jit = jitted(_replay_all)
 
 
 def append_and_attend(cache: Cache, vectors: TokenVectors, queries: Queries,
@@ -421,6 +431,37 @@ def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
                            jnp.asarray(n_new, jnp.int32), options=_options(options))
 
 
+def replay(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids, start,
+           n_new, *, options: Options | None = None) -> Cache:
+    """Rewrites the State of positions [start, start + n_new) of each slot, tokens the slot
+    already holds: window rings and compressor tails only (`append.replay_plan`); no entry,
+    page, length or status changes. The input cache is donated.
+
+    After `pools.attach_prefix`, the State of the attached slot is not valid; replaying the
+    last n_layers * (W - 1) + 1 tokens (or more) before the boundary with the vectors a model
+    computes for them rebuilds it exactly, whatever State the slot held (layer l's vectors
+    are exact from l * (W - 1) tokens past the replay start; see `nn.Decoder.replay`). With
+    vectors given per layer, as here, the rewritten rows are the vectors' own, so any replay
+    covering the last max(W, tail ring) positions rebuilds the State.
+
+    Args:
+      cache: the cache (donated).
+      vectors: `TokenVectors` with [.., B, T, ..] arrays: row b's first n_new[b] tokens are
+        those of positions start[b] ...
+      weights: compressor params of every layer (the tails hold gates with the position bias).
+      slot_ids: i32[B] distinct ACTIVE slots (-1: a padding row, n_new 0).
+      start: i32[B] first replayed position per row.
+      n_new: i32[B] tokens replayed per row (start + n_new <= the slot's length).
+      options: how the ops run.
+    """
+    tokens = _check_call(cache, vectors, weights, slot_ids, n_new)
+    if checks.concrete(slot_ids, start, n_new):
+        append.check_replay(cache, slot_ids, start, n_new, tokens)
+    return _replay_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
+                           jnp.asarray(start, jnp.int32), jnp.asarray(n_new, jnp.int32),
+                           options=_options(options))
+
+
 def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
                 active=None, *, options: Options | None = None) -> Cache:
     """Appends one token to every active slot (a batch over all `max_slots` slots).
@@ -447,5 +488,5 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
 __all__ = [
     "append_and_attend", "check_queries", "check_vectors", "check_weights", "decode_attention",
     "chunk_length", "decode_attention_all",
-    "decode_step", "jitted", "layer_step", "layers_step", "prefill",
+    "decode_step", "jitted", "layer_step", "layers_step", "prefill", "replay",
 ]

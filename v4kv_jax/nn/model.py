@@ -279,6 +279,43 @@ class Decoder(nnx.Module):
         cache = append.end_append(cache, plan)
         return cache, rms_norm(x, self.norm[...], self.config.attention.rms_eps)
 
+    def replay(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, start: jax.Array,
+               n_new: jax.Array, *, options: Options | None = None) -> Cache:
+        """Rebuilds the State (window rings, compressor tails) of tokens the slots already
+        hold, e.g. after `v4kv_jax.pools.attach_prefix`: runs the blocks over the tokens of
+        positions [start, start + n_new) with a state-only plan (`append.replay_plan`), which
+        writes no entry and changes no length, while attention reads the entries in the
+        slots' (shared) pages.
+
+        Whatever State the slots held before, replaying the last n_layers * (W - 1) + 1
+        tokens (or more) before a boundary leaves the State a full run leaves there: layer
+        l's input is exact from l * (W - 1) tokens past `start` on (its window reads nothing
+        older), so the last layer's W window rows and every tail ring are.
+
+        Args:
+          tokens: i32[B, T]; row b's first n_new[b] tokens are positions start[b] ... of
+            slot slot_ids[b], the rest padding.
+          cache: the cache.
+          slot_ids: i32[B] distinct ACTIVE slots (-1: a padding row, n_new 0).
+          start: i32[B] first replayed position per row.
+          n_new: i32[B] in [0, T], with start + n_new <= the slot's length.
+          options: how the ops run.
+
+        Returns:
+          The cache. Called with concrete arguments, a broken row raises ValueError; inside
+          jit it (and a row holding a token id outside the vocabulary) changes nothing.
+        """
+        check_chunk(self.config, cache, tokens, slot_ids, n_new)
+        V = self.config.vocab_size
+        n_new = jnp.asarray(n_new, jnp.int32)
+        given = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
+        outside = jnp.any(given & ((tokens < 0) | (tokens >= V)), axis=1)
+        plan = append.replay_plan(cache, slot_ids, start, jnp.where(outside, 0, n_new),
+                                  tokens.shape[1])
+        x = self.embed[...][tokens].astype(jnp.float32)
+        cache, _ = self.layers(x, cache, plan, options=options)
+        return cache
+
     def logits(self, h: jax.Array) -> jax.Array:
         """f32[..., V] from final hidden states [..., D]."""
         head = self.embed if self.lm_head is None else self.lm_head
