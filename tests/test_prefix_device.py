@@ -6,7 +6,10 @@ boundary from ANY starting State with R = n_layers * (W - 1) + 1 tokens, rounded
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +24,7 @@ from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY, MODEL, OPTIONS, new_cache, positions, run_chunks
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = GEOMETRY.page_tokens
 BOUNDARY = 2 * P  # b: two full pages
 # Receptive field of the window over the layers, rounded up to a page (tiny: 5 * 15 + 1 = 76
@@ -180,8 +184,10 @@ def test_snapshot_restore_round_trip(data):
     """A snapshot at any length (mid-page, mid-block) restored into a poisoned slot gives back
     the State bit for bit, and the slot decodes exactly like one that never left."""
     n = 150
-    cache, _ = run_chunks(new_cache(slots=[0, 1]), data, [[32, 32]] * 4 + [[22, 22]],
-                          rows=[0, 0], slot_ids=[0, 1], with_attention=False)
+    plan = [[32]] * 4 + [[22]]  # one-row calls and three-row decodes: shapes compiled above
+    cache = new_cache(slots=[0, 1])
+    for slot in (0, 1):
+        cache, _ = run_chunks(cache, data, plan, rows=[0], slot_ids=[slot], with_attention=False)
     snap = v4.snapshot_state(cache, 1)
     assert int(snap.length) == n
     cache = poisoned(cache, 1)
@@ -189,16 +195,38 @@ def test_snapshot_restore_round_trip(data):
     cache = v4.restore_state(cache, 1, snap)
     assert_same_state(cache, 0, cache, 1)
     for t in range(n, n + 3):
-        pos = np.full((2, 1), t)
-        cache, o = step.append_and_attend(cache, data.take(pos, [0, 0]),
-                                          data.stacked_queries(pos, [0, 0]), data.weights,
-                                          [0, 1], [1, 1], options=OPTIONS)
+        pos = np.full((3, 1), t)
+        cache, o = step.append_and_attend(cache, data.take(pos, [0, 0, 0]),
+                                          data.stacked_queries(pos, [0, 0, 0]), data.weights,
+                                          [0, 1, -1], [1, 1, 0], options=OPTIONS)
         o = np.asarray(o)
         assert o[:, 0].tobytes() == o[:, 1].tobytes()
     assert_same_state(cache, 0, cache, 1)
     # jit: snapshot and restore run inside a caller's program too.
     moved = jax.jit(lambda c: v4.restore_state(c, 1, v4.snapshot_state(c, 0)))(poisoned(cache, 1))
     assert_same_state(moved, 0, moved, 1)
+
+
+def test_readme_block_runs_as_written(prefilled, data):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("### Prefix sharing (device side)\n", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
+    cache, _ = run_chunks(_copy(prefilled), data, [[32]], rows=[0], slot_ids=[0],
+                          with_attention=False)  # slot 0 past the boundary, as in the README
+    cache = v4.release_slot(v4.release_slot(cache, 1), 2)  # only slot 0 admitted, as there
+    one_row = dataclasses.replace(  # the README's data holds one sequence: row 0
+        data, window=data.window[:, :1], q=data.q[:, :1], index_q=data.index_q[:, :1],
+        index_weights=data.index_weights[:, :1],
+        compressors={k: (kv[:, :1], g[:, :1]) for k, (kv, g) in data.compressors.items()})
+    scope = {"v4": v4, "cache": cache, "data": one_row}
+    exec(block, scope)  # noqa: S102 - the README's own code
+    cache = scope["cache"]
+    for slot in (1, 2):
+        got = v4.read_slot(cache, slot)
+        assert got.length == BOUNDARY
+        np.testing.assert_array_equal(got.window, data.window[:, 0, BOUNDARY - MODEL.window:
+                                                              BOUNDARY])
+    assert_same_state(cache, 1, cache, 2)
 
 
 # --- the model: layer l's input depends on the window of layer l - 1 -------------------------
