@@ -320,11 +320,21 @@ def test_attach_errors(prefilled):
         v4.attach_prefix(cache, 1, np.asarray([0, 99]), 2)
     with pytest.raises(TypeError, match=r"page_ids: expected an array of integer dtype"):
         v4.attach_prefix(cache, 1, np.asarray([0.0, 1.0]), 2)
+    with pytest.raises(ValueError, match=r"page_ids: expected full pages in prefix order .*got "
+                                         r"page_ids\[0\] = 1, page 1 of slot 0 of length 256"):
+        v4.attach_prefix(cache, 1, row0[::-1][-2:], 2)
+    # Slot 2 with 8 tokens: its page 0 is partly filled, never attachable.
+    partial, _ = run_chunks(_copy(cache), synthetic.SyntheticBatch.draw(MODEL, 1, 8, seed=0),
+                            [[8]], rows=[0], slot_ids=[2], chunk=8, with_attention=False)
+    with pytest.raises(ValueError, match=r"page_ids: expected full pages .*page 0 of slot 2 "
+                                         r"of length 8"):
+        v4.attach_prefix(partial, 1, partial.pages.page_table[2], 1)
 
     # Inside jit a broken call changes nothing; a valid one attaches.
     attach = jax.jit(v4.attach_prefix)
     for args in ((0, row0, 2), (3, row0, 2), (1, np.asarray([0, 5], np.int32), 2),
-                 (1, np.asarray([0, 0], np.int32), 2), (1, row0, 7), (1, row0, -1)):
+                 (1, np.asarray([0, 0], np.int32), 2), (1, row0, 7), (1, row0, -1),
+                 (1, row0[1::-1].copy(), 2)):
         got = attach(cache, *args)
         for x, y in zip(jax.tree.leaves(cache), jax.tree.leaves(got), strict=True):
             np.testing.assert_array_equal(x, y, err_msg=str(args))

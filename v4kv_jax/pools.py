@@ -252,7 +252,8 @@ def attach_prefix(cache: Cache, slot, page_ids, n_pages) -> Cache:
     length becomes n_pages * page_tokens.
 
     Only whole pages are attachable (a full page is immutable; a partly filled one is never
-    shared). Appends past the prefix take new pages of the slot's own. The slot's State
+    shared): every slot holding page_ids[j] must hold it as its page j, with all of its
+    tokens. Appends past the prefix take new pages of the slot's own. The slot's State
     (window ring, tails) is NOT valid after this call: restore a snapshot taken at the
     boundary (`restore_state`) or rebuild it with `step.replay` / `nn.Decoder.replay` before
     the slot decodes.
@@ -260,8 +261,8 @@ def attach_prefix(cache: Cache, slot, page_ids, n_pages) -> Cache:
     Args:
       cache: the cache.
       slot: the slot, fresh from `reset_slot` (ACTIVE, length 0, no pages).
-      page_ids: i32[k] page ids in use (refcount > 0), distinct, e.g. a row of another
-        slot's page table; entries past n_pages are ignored.
+      page_ids: i32[k] page ids in use (refcount > 0), distinct, full, in prefix order: e.g.
+        a row of another slot's page table; entries past n_pages are ignored.
       n_pages: pages to attach, 0 <= n_pages <= min(k, max_pages_per_seq).
 
     Called with concrete arguments, a broken rule raises ValueError (TypeError for a wrong
@@ -293,12 +294,29 @@ def attach_prefix(cache: Cache, slot, page_ids, n_pages) -> Cache:
         if free:
             checks.fail("page_ids", "pages in use (refcount > 0: full pages another request "
                         "holds)", f"page {free[0]} with refcount {int(refcount[free[0]])}")
+        table, lengths = np.asarray(cache.pages.page_table), np.asarray(cache.state.lengths)
+        for j, p in enumerate(used.tolist()):
+            for holder, col in zip(*np.nonzero(table == p), strict=True):
+                if col != j or lengths[holder] < (j + 1) * geo.page_tokens:
+                    checks.fail("page_ids", "full pages in prefix order (page_ids[j] is page j "
+                                f"of every slot holding it, which holds all its "
+                                f"{geo.page_tokens} tokens)",
+                                f"page_ids[{j}] = {p}, page {col} of slot {holder} of length "
+                                f"{int(lengths[holder])}")
     slot = jnp.asarray(slot, jnp.int32)
     read = jnp.clip(slot, 0, S - 1)
     fresh = ((cache.state.status[read] == SlotStatus.ACTIVE) & (cache.state.lengths[read] == 0))
     n = jnp.asarray(n_pages, jnp.int32)
-    # A slot that is not fresh is named out of range, so that nothing changes.
-    pages, ok = paging.attach(cache.pages, jnp.where(fresh, slot, S), page_ids, n)
+    ids = jnp.asarray(page_ids, jnp.int32).reshape(-1)
+    # Every holder of page_ids[j] holds it as its page j, with all of its tokens.
+    j = jnp.arange(ids.shape[0], dtype=jnp.int32)
+    held_at = cache.pages.page_table[None] == ids[:, None, None]  # [k, S, M]
+    col = jnp.arange(M, dtype=jnp.int32)[None, None, :]
+    full = (col == j[:, None, None]) & (
+        cache.state.lengths[None, :, None] >= (j[:, None, None] + 1) * geo.page_tokens)
+    full = jnp.all(~held_at | full, axis=(1, 2)) | (j >= n)
+    # A call that breaks a rule names a slot out of range, so that nothing changes.
+    pages, ok = paging.attach(cache.pages, jnp.where(fresh & jnp.all(full), slot, S), ids, n)
     mask = _slot_mask(cache, slot) & ok
     return with_slots(cache.replace(pages=pages),
                       lengths=jnp.where(mask, n * geo.page_tokens, cache.state.lengths))
