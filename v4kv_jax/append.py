@@ -265,24 +265,23 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
                                                                               params.ape)
     tail = pools.tail(cache, spec.name)
+    if not plan.state_only:
+        pool = ops.emit_entries(
+            spec, model, geo, options, pool=pools.entries(cache, spec.name),
+            page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
+            tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
+            start=plan.start, n_new=plan.n_new, norm=params.norm)
+        cache = pools.with_entries(cache, spec.name, pool)
+        # The emission read the tails: the writes below must come after it.
+        kv, gate = after(kv, pool), after(gate, pool)
+
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
-    if plan.state_only:
-        return pools.with_tail(cache, spec.name, tail.replace(
-            kv=tail.kv.at[idx].set(storage.encode(kv, tail.kv), mode="drop"),
-            gate=tail.gate.at[idx].set(storage.encode(gate, tail.gate), mode="drop")))
-    pool = ops.emit_entries(
-        spec, model, geo, options, pool=pools.entries(cache, spec.name),
-        page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
-        tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
-        start=plan.start, n_new=plan.n_new, norm=params.norm)
-
-    # The emission read the tails: the writes below must come after it.
     new_tail = tail.replace(
-        kv=tail.kv.at[idx].set(storage.encode(after(kv, pool), tail.kv), mode="drop"),
-        gate=tail.gate.at[idx].set(storage.encode(after(gate, pool), tail.gate), mode="drop"),
+        kv=tail.kv.at[idx].set(storage.encode(kv, tail.kv), mode="drop"),
+        gate=tail.gate.at[idx].set(storage.encode(gate, tail.gate), mode="drop"),
     )
-    return pools.with_tail(pools.with_entries(cache, spec.name, pool), spec.name, new_tail)
+    return pools.with_tail(cache, spec.name, new_tail)
 
 
 def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
