@@ -2,12 +2,68 @@
 
 Every write of a stored row (compressor emission into the Classical pool, window and tail
 writes into the State pool) goes through `encode`, every read through `decode`; the Pallas
-kernels widen what they load the same way. Formats today are plain floating dtypes
-("float32", "bfloat16", "float16": `encode` rounds to the dtype, `decode` widens to fp32);
-packed formats add their layout and scales here and nowhere else.
+kernels widen what they load the same way. Plain float formats ("float32", "bfloat16",
+"float16"): `encode` rounds to the dtype, `decode` widens to fp32; a row of `width` values is
+[..., width] of `dtype(fmt)`, `row_bytes(width, fmt)` bytes.
 
-Layout of a stored row of `width` values in format `fmt`: [..., width] of `dtype(fmt)`,
-`row_bytes(width, fmt)` bytes.
+Packed formats (the official release's numerics; not wired into the pools yet)
+----------------------------------------------------------------------------------
+A packed row is [..., stored_width(width, fmt, rope_dim)] of uint32 words (32-bit lanes, so a
+TPU pool never holds a byte array; a pool may further view a page of rows as 128-wide lanes).
+Bytes are numbered inside a word little-endian: byte j of word w is `(w >> 8 j) & 0xFF`, so a
+bitcast of the words to uint8 on a little-endian host is the byte stream below.
+
+"fp8_latent" (entries and window): `encode_fp8_latent(x f32[..., hd], r)`, hd - r = nope dims
+(a multiple of 64), r RoPE dims (the LAST r dims, r even), nb = (hd - r) / 64 blocks:
+
+    bytes [0, nope)              e4m3fn code of nope dim i at byte i
+    bytes [nope, nope + 2 r)     bf16 bits of RoPE dim j at bytes nope + 2 j (low byte first)
+    bytes [nope + 2 r, + nb)     ue8m0 scale byte of block b (biased exponent: 2^(byte - 127))
+    then zero bytes up to a multiple of 4
+    hd 512, r 64: 448 + 128 + 7 + 1 pad = 584 B = uint32[..., 146]
+                  (words [0, 112) codes, [112, 144) RoPE dims, [144, 146) scales + pad)
+
+"fp4_index" (indexer keys): `encode_fp4_key(k f32[..., c])`, c a power of two >= 32,
+nb = c / 32 blocks, of the ROTATED key y = hadamard(k):
+
+    bytes [0, c / 2)             e2m1 code of dim i in nibble i % 2 of byte i // 2 (even dims in
+                                 the low nibble): word w holds dims 8 w .. 8 w + 7, dim 8 w + j
+                                 at bits [4 j, 4 j + 4)
+    bytes [c / 2, c / 2 + nb)    ue8m0 scale byte of block b
+    then zero bytes up to a multiple of 4
+    c 128: 64 + 4 = 68 B = uint32[..., 17]
+
+Quantisation (my reading of SPEC section 8 / issue 11 and the official reference's
+fake-quantisation, `act_quant` with power-of-two scales):
+- per block of B values (64 for e4m3, 32 for e2m1) with format maximum M (448, 6):
+  amax = max |x| over the block's finite values, then amax = max(amax, 1e-4) (fp32 1e-4);
+  scale = 2^ceil(log2(amax * fp32(1 / M))), computed like the reference's "fast" path from the
+  fp32 bits of amax * fp32(1 / M): biased exponent + (mantissa != 0). The multiplication by the
+  rounded reciprocal (not a division) is my reading of the reference's
+  `fast_round_scale(amax, fp8_max_inv)`; at amax = M 2^k it still gives exactly 2^k.
+- q = round-to-nearest-even(clip(x / scale, -M, M)) in e4m3fn / e2m1 (x / scale is exact, the
+  scale being a power of two); dequantised value = q * scale in fp32 (exact). Negative zero
+  stays negative zero. The RoPE dims of fp8_latent are plain bf16 (round to nearest even).
+- scale >= amax / M (up to the fp32 rounding of the product), so the clip acts on non-finite
+  values (and would on a value within an ulp of M 2^k, giving M). NaN / inf, stated choices
+  (the reference does not define them): fp8_latent: NaN -> the e4m3fn NaN code 0x7F
+  (whatever its sign) and decodes to NaN, +-inf saturates to +-448 * scale, neither affects
+  the block's scale; NaN in a RoPE dim -> bf16 0x7FC0, +-inf stays +-inf.
+  fp4_index (no NaN / inf in e2m1): a block whose rotated values hold a NaN or inf stores the
+  e8m0 NaN scale 0xFF and zero codes, so the whole block decodes to NaN (the rotation spreads a
+  single non-finite key value over all c dims anyway).
+- `hadamard(x)`: x @ H_c with H_c the Sylvester Hadamard matrix (H_1 = [1], H_2n =
+  [[H_n, H_n], [H_n, -H_n]], symmetric) scaled by c^-0.5 (orthonormal), in fp32 (a +-1 matmul
+  at HIGHEST precision, then the scale). The indexer query is rotated the same way
+  (`hadamard(q)` per head), so q . k = hadamard(q) . hadamard(k) up to fp32 rounding, and
+  scores against the decoded (rotated) keys are the reference's. The official kernel's
+  summation order (a butterfly) may differ from this matmul's in the last fp32 bit, which can
+  flip an e2m1 rounding decision at an exact tie.
+- Scale bytes the encoder writes lie in [105, 247] (fp8: 1e-4 floor to fp32 max) and
+  [112, 253] or 0xFF (fp4); decoding accepts every byte, 0xFF as NaN; byte 0 (2^-127) is an
+  fp32 subnormal, which XLA on CPU flushes to zero. fp8: a block with amax > 224 * 2^120 gets
+  scale 2^120 (byte 247); its values >= 248 * 2^120 round to q = 256 and decode to inf (q * scale
+  overflows fp32).
 """
 
 from __future__ import annotations
@@ -15,14 +71,31 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from v4kv_jax.config import STORAGE_FORMATS
 
+PACKED_FORMATS = ("fp8_latent", "fp4_index")
+FORMATS = STORAGE_FORMATS + PACKED_FORMATS
+
+FP8_BLOCK, FP8_MAX = 64, 448.0
+FP4_BLOCK, FP4_MAX = 32, 6.0
+AMAX_FLOOR = np.float32(1e-4)
+_FP8_NAN = 0x7F
+_BF16_NAN = 0x7FC0
+_E8M0_NAN = 0xFF
+# e2m1 magnitudes by code (sign in bit 3) and the rounding thresholds between codes k - 1 and k.
+_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+_E2M1_CUTS = (_E2M1[1:] + _E2M1[:-1]) / 2
+_E2M1_EVEN = np.arange(1, 8) % 2 == 0
+
 
 def dtype(fmt: str) -> jnp.dtype:
-    """The array dtype rows of format `fmt` are stored in."""
+    """The array dtype rows of format `fmt` are stored in (uint32 words for packed formats)."""
+    if fmt in PACKED_FORMATS:
+        return jnp.dtype(jnp.uint32)
     if fmt not in STORAGE_FORMATS:
-        raise ValueError(f"fmt: expected one of {STORAGE_FORMATS}; got {fmt!r}")
+        raise ValueError(f"fmt: expected one of {FORMATS}; got {fmt!r}")
     return jnp.dtype(fmt)
 
 
@@ -36,9 +109,176 @@ def decode(stored: jax.Array) -> jax.Array:
     return stored.astype(jnp.float32)
 
 
-def row_bytes(width: int, fmt: str) -> int:
-    """Bytes of one stored row of `width` values."""
-    return width * int(np.dtype(dtype(fmt)).itemsize)
+def _words(nbytes: int) -> int:
+    return -(-nbytes // 4)
 
 
-__all__ = ["decode", "dtype", "encode", "row_bytes"]
+def _check_fp8(width: int, rope_dim: int) -> tuple[int, int]:
+    nope = width - rope_dim
+    if rope_dim < 0 or rope_dim % 2 or nope <= 0 or nope % FP8_BLOCK:
+        raise ValueError(f"fp8_latent: needs an even rope_dim >= 0 and width - rope_dim a "
+                         f"positive multiple of {FP8_BLOCK}; got width {width}, rope_dim "
+                         f"{rope_dim}")
+    return nope, nope // FP8_BLOCK
+
+
+def _check_fp4(width: int) -> int:
+    if width < FP4_BLOCK or width & (width - 1):
+        raise ValueError(f"fp4_index: needs a power-of-two width >= {FP4_BLOCK}; got {width}")
+    return width // FP4_BLOCK
+
+
+def stored_width(width: int, fmt: str, rope_dim: int = 0) -> int:
+    """Last-dim length of a stored row of `width` values (`rope_dim` only for fp8_latent)."""
+    if fmt == "fp8_latent":
+        nope, nb = _check_fp8(width, rope_dim)
+        return nope // 4 + rope_dim // 2 + _words(nb)
+    if fmt == "fp4_index":
+        return width // 8 + _words(_check_fp4(width))
+    dtype(fmt)
+    return width
+
+
+def row_bytes(width: int, fmt: str, rope_dim: int = 0) -> int:
+    """Bytes of one stored row of `width` values (fp8_latent 512 / 64: 584; fp4_index 128: 68)."""
+    return stored_width(width, fmt, rope_dim) * int(np.dtype(dtype(fmt)).itemsize)
+
+
+# --- bytes <-> words --------------------------------------------------------------------------
+
+def _pack(parts: jax.Array, bits: int) -> jax.Array:
+    """uint32 [..., n * 32 / bits] of `bits`-bit fields -> uint32 [..., n] (field j at bits j)."""
+    per = 32 // bits
+    parts = parts.astype(jnp.uint32).reshape(*parts.shape[:-1], -1, per)
+    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+    return jnp.sum(parts << shifts, axis=-1, dtype=jnp.uint32)
+
+
+def _unpack(words: jax.Array, bits: int) -> jax.Array:
+    """Inverse of `_pack`: uint32 [..., n] -> uint32 [..., n * 32 / bits]."""
+    per = 32 // bits
+    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
+    fields = (words[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
+    return fields.reshape(*words.shape[:-1], -1)
+
+
+def _scale_bytes(x: jax.Array, block: int, fmax: float) -> jax.Array:
+    """ue8m0 byte (uint32) of each block of the last axis: 2^ceil(log2(amax * fp32(1 / fmax)))."""
+    mag = jnp.where(jnp.isfinite(x), jnp.abs(x), 0.0)
+    amax = jnp.max(mag.reshape(*x.shape[:-1], -1, block), axis=-1)
+    amax = jnp.maximum(amax, AMAX_FLOOR)
+    bits = lax.bitcast_convert_type(amax * np.float32(1.0 / fmax), jnp.uint32)
+    return ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).astype(jnp.uint32)
+
+
+def _scale_values(scale_bytes: jax.Array) -> jax.Array:
+    """f32 2^(byte - 127) of ue8m0 bytes; 0xFF (the e8m0 NaN) -> NaN, 0 -> 2^-127."""
+    value = lax.bitcast_convert_type(scale_bytes << 23, jnp.float32)
+    value = jnp.where(scale_bytes == 0, np.float32(2.0 ** -127), value)
+    return jnp.where(scale_bytes == _E8M0_NAN, np.float32(np.nan), value)
+
+
+def _pad_bytes(b: jax.Array) -> jax.Array:
+    pad = -b.shape[-1] % 4
+    return jnp.pad(b, [(0, 0)] * (b.ndim - 1) + [(0, pad)]) if pad else b
+
+
+def _per_block(scales: jax.Array, block: int) -> jax.Array:
+    return jnp.repeat(scales, block, axis=-1)
+
+
+# --- fp8 latent -------------------------------------------------------------------------------
+
+def encode_fp8_latent(x: jax.Array, rope_dim: int) -> jax.Array:
+    """Pack f32 [..., hd] (the last `rope_dim` dims are RoPE dims) into uint32 fp8_latent rows."""
+    x = jnp.asarray(x, jnp.float32)
+    nope, nb = _check_fp8(x.shape[-1], rope_dim)
+    main, rope = x[..., :nope], x[..., nope:]
+    sbytes = _scale_bytes(main, FP8_BLOCK, FP8_MAX)
+    q = jnp.clip(main / _per_block(_scale_values(sbytes), FP8_BLOCK), -FP8_MAX, FP8_MAX)
+    codes = lax.bitcast_convert_type(q.astype(jnp.float8_e4m3fn), jnp.uint8)
+    codes = jnp.where(jnp.isnan(main), jnp.uint8(_FP8_NAN), codes)
+    half = lax.bitcast_convert_type(rope.astype(jnp.bfloat16), jnp.uint16)
+    half = jnp.where(jnp.isnan(rope), jnp.uint16(_BF16_NAN), half)
+    parts = [_pack(codes, 8)]
+    if rope_dim:
+        parts.append(_pack(half, 16))
+    parts.append(_pack(_pad_bytes(sbytes), 8))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def decode_fp8_latent(packed: jax.Array, head_dim: int, rope_dim: int) -> jax.Array:
+    """f32 [..., head_dim] of uint32 fp8_latent rows."""
+    nope, nb = _check_fp8(head_dim, rope_dim)
+    if packed.shape[-1] != stored_width(head_dim, "fp8_latent", rope_dim):
+        raise ValueError(f"fp8_latent: rows of {head_dim} / {rope_dim} are "
+                         f"{stored_width(head_dim, 'fp8_latent', rope_dim)} words; got "
+                         f"{packed.shape[-1]}")
+    n_codes, n_rope = nope // 4, rope_dim // 2
+    codes = _unpack(packed[..., :n_codes], 8).astype(jnp.uint8)
+    q = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
+    scales = _scale_values(_unpack(packed[..., n_codes + n_rope:], 8)[..., :nb])
+    main = q * _per_block(scales, FP8_BLOCK)
+    half = _unpack(packed[..., n_codes:n_codes + n_rope], 16).astype(jnp.uint16)
+    rope = lax.bitcast_convert_type(half, jnp.bfloat16).astype(jnp.float32)
+    return jnp.concatenate([main, rope], axis=-1)
+
+
+# --- fp4 indexer keys -------------------------------------------------------------------------
+
+def _sylvester(c: int) -> np.ndarray:
+    """The +-1 Sylvester Hadamard matrix of size c (symmetric)."""
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < c:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard(x: jax.Array) -> jax.Array:
+    """x @ (H_c / sqrt(c)) over the last axis (Sylvester order, orthonormal), in fp32: the
+    products with +-1 are exact, the sum is an fp32 matmul at HIGHEST precision, then * c^-0.5."""
+    x = jnp.asarray(x, jnp.float32)
+    c = x.shape[-1]
+    if c < 1 or c & (c - 1):
+        raise ValueError(f"hadamard: needs a power-of-two last dim; got {c}")
+    y = jnp.matmul(x, jnp.asarray(_sylvester(c)), precision=lax.Precision.HIGHEST)
+    return y * np.float32(c ** -0.5)
+
+
+def _e2m1_codes(y: jax.Array) -> jax.Array:
+    """4-bit e2m1 codes (uint32) of y already clipped to [-6, 6]: round to nearest, ties to the
+    even code (code k passes its lower cut strictly when k is odd, at equality when even)."""
+    mag = jnp.abs(y)[..., None]
+    passed = jnp.where(_E2M1_EVEN, mag >= _E2M1_CUTS, mag > _E2M1_CUTS)
+    code = jnp.sum(passed, axis=-1, dtype=jnp.uint32)
+    return code | (jnp.signbit(y).astype(jnp.uint32) << 3)
+
+
+def encode_fp4_key(k: jax.Array, rotated: bool = False) -> jax.Array:
+    """Rotate f32 [..., c] by `hadamard` and pack into uint32 fp4_index rows (`rotated=True`:
+    `k` is already rotated, pack it as it is)."""
+    y = jnp.asarray(k, jnp.float32) if rotated else hadamard(k)
+    nb = _check_fp4(y.shape[-1])
+    bad = jnp.any(~jnp.isfinite(y).reshape(*y.shape[:-1], nb, FP4_BLOCK), axis=-1)
+    sbytes = jnp.where(bad, jnp.uint32(_E8M0_NAN), _scale_bytes(y, FP4_BLOCK, FP4_MAX))
+    q = jnp.clip(y / _per_block(_scale_values(sbytes), FP4_BLOCK), -FP4_MAX, FP4_MAX)
+    codes = jnp.where(_per_block(bad, FP4_BLOCK), jnp.uint32(0), _e2m1_codes(q))
+    return jnp.concatenate([_pack(codes, 4), _pack(_pad_bytes(sbytes), 8)], axis=-1)
+
+
+def decode_fp4_key(packed: jax.Array, width: int) -> jax.Array:
+    """f32 [..., width] ROTATED dequantised keys (compare with `hadamard(q)`) of fp4_index rows."""
+    nb = _check_fp4(width)
+    if packed.shape[-1] != stored_width(width, "fp4_index"):
+        raise ValueError(f"fp4_index: rows of {width} are {stored_width(width, 'fp4_index')} "
+                         f"words; got {packed.shape[-1]}")
+    codes = _unpack(packed[..., :width // 8], 4)
+    mag = jnp.asarray(_E2M1)[codes & 7]
+    q = jnp.where(codes & 8 != 0, -mag, mag)
+    scales = _scale_values(_unpack(packed[..., width // 8:], 8)[..., :nb])
+    return q * _per_block(scales, FP4_BLOCK)
+
+
+__all__ = ["AMAX_FLOOR", "FORMATS", "FP4_BLOCK", "FP4_MAX", "FP8_BLOCK", "FP8_MAX",
+           "PACKED_FORMATS", "decode", "decode_fp4_key", "decode_fp8_latent", "dtype", "encode",
+           "encode_fp4_key", "encode_fp8_latent", "hadamard", "row_bytes", "stored_width"]
