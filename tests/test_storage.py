@@ -23,12 +23,16 @@ def np_floor_log2(a):
     return np.frexp(a)[1] - 1
 
 
-def np_ue8m0(block, fmax):
-    """Scale byte of one block: amax over finite values, floored at fp32 1e-4, times fp32(1/fmax)
-    in fp32, then the biased exponent of 2^ceil(log2 of that)."""
+FP8_FLOOR = F32(1e-4)
+FP4_FLOOR = F32(6 * 2.0**-126)  # the official fp4_act_quant's floor (issue 11 says 1e-4)
+
+
+def np_ue8m0(block, fmax, floor):
+    """Scale byte of one block: amax over finite values, floored, times fp32(1/fmax) in fp32,
+    then the biased exponent of 2^ceil(log2 of that)."""
     finite = block[np.isfinite(block)]
     amax = F32(np.max(np.abs(finite))) if finite.size else F32(0)
-    amax = max(amax, F32(1e-4))
+    amax = max(amax, floor)
     t = F32(amax * F32(1.0 / fmax))
     m, e = np.frexp(float(t))
     up = e - 1 if m == 0.5 else e  # ceil(log2 t)
@@ -79,7 +83,7 @@ def np_encode_fp8(x, r):
     for row in x:
         codes, deq, scales = [], [], []
         for blk in row[:nope].reshape(nb, 64):
-            sbyte = np_ue8m0(blk, 448)
+            sbyte = np_ue8m0(blk, 448, FP8_FLOOR)
             scale = 2.0 ** (sbyte - 127)
             q = np.clip(blk.astype(np.float64) / scale, -448, 448)  # inf -> +-448
             r_ = np_round_grid(np.nan_to_num(q, nan=0.0), 3, -6)
@@ -112,7 +116,7 @@ def np_encode_fp4(y):
                 deq += [np.nan] * 32
                 scales.append(0xFF)
                 continue
-            sbyte = np_ue8m0(blk, 6)
+            sbyte = np_ue8m0(blk, 6, FP4_FLOOR)
             scale = 2.0 ** (sbyte - 127)
             r_ = np_round_grid(np.clip(blk.astype(np.float64) / scale, -6, 6), 1, 0)
             nibbles += list(np_float_bits(r_, 1, 1, 0x8))
@@ -231,8 +235,9 @@ def test_fp8_random_rows_bit_exact(width, r):
     values = check_fp8(x, r)
     # error bound: half a unit of e4m3 (3 fraction bits) relative, or half the subnormal step
     nope = width - r
-    scales = np.repeat(2.0 ** (np.asarray([[np_ue8m0(b, 448) for b in row[:nope].reshape(-1, 64)]
-                                           for row in x]) - 127), 64, axis=-1)
+    blocks = x[:, :nope].reshape(len(x), -1, 64)
+    scales = np.repeat(2.0 ** (np.asarray([[np_ue8m0(b, 448, FP8_FLOOR) for b in row]
+                                           for row in blocks]) - 127), 64, axis=-1)
     err = np.abs(values[:, :nope] - x[:, :nope])
     assert np.all(err <= np.maximum(np.abs(x[:, :nope]) * 2.0**-4, scales * 2.0**-10))
     assert np.all(np.abs(values[:, nope:] - x[:, nope:]) <= np.abs(x[:, nope:]) * 2.0**-8)
@@ -356,7 +361,7 @@ def test_fp4_v4_round_trip_error_and_scores_on_normal_data():
     words, values = fp4(k, rotated=False)
     rotated = np.asarray(_hadamard(k))
     err = np.abs(values - rotated)
-    scales = 2.0 ** (np.asarray([[np_ue8m0(b, 6) for b in row.reshape(4, 32)]
+    scales = 2.0 ** (np.asarray([[np_ue8m0(b, 6, FP4_FLOOR) for b in row.reshape(4, 32)]
                                  for row in rotated]) - 127)
     assert np.all(err <= np.repeat(scales, 32, axis=-1))  # half the top step (4 -> 6)
     assert err.max() <= 1.0  # observed 0.61 (seed 2); amax in (3, 6] -> scale 1, top step 2
@@ -379,15 +384,20 @@ def test_fp4_grid_ties_subnormal_saturation_and_zero():
     assert np.signbit(values[0, 11]) and not np.signbit(values[0, 12])
     nibbles = [(int(w) >> (4 * j)) & 0xF for w in words[0, :2] for j in range(8)]
     assert nibbles == [7, 15, 6, 6, 4, 4, 2, 2, 0, 1, 1, 8, 0, 5, 6, 10]
-    floor = int(np.ceil(np.log2(1e-4 / 6))) + 127
-    assert floor == 112 and words[0, 16] == 127 | (floor << 8) | (floor << 16) | (floor << 24)
+    assert words[0, 16] == 127 | (1 << 8) | (1 << 16) | (1 << 24)  # zero blocks: the floor, 2^-126
     assert np.all(values[0, 32:] == 0)
-    # amax exactly at the clamp and below it give the floor's scale
-    for amax in (F32(1e-4), 1e-6):
+    # amax exactly at the floor 6 * 2^-126 -> byte 1 and q = 6; amax 1e-4 (issue 11's floor,
+    # not the reference's) -> 2^ceil(log2(1e-4 / 6)) = 2^-15; 2^-20 -> 2^-22; amax = 6 2^k -> 2^k
+    for amax, byte in ((FP4_FLOOR, 1), (F32(1e-4), 112), (2.0**-20, 105), (6.0 * 2**-30, 97),
+                       (np.nextafter(F32(6), F32(7)), 128)):
         y = np.zeros((1, 32), F32)
-        y[0, 0] = amax
-        assert fp4(y)[0][0, -1] == floor
+        y[0, 0], y[0, 1] = amax, -amax / 4
+        words, values = fp4(y)
+        assert words[0, -1] == byte
         check_fp4(y)
+    y = np.zeros((1, 32), F32)
+    y[0, 0] = FP4_FLOOR
+    assert fp4(y)[1][0, 0] == FP4_FLOOR  # q = 6 at scale 2^-126
 
 
 def test_fp4_non_finite_blocks_decode_to_nan():
