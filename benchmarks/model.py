@@ -69,7 +69,7 @@ def step_bytes(model: Decoder, batch: int, context: int) -> tuple[int, int]:
     weights = sum(x.nbytes for x in jax.tree.leaves(params))
     weights -= model.embed[...].nbytes + (0 if model.lm_head is None else
                                           model.lm_head[...].nbytes)
-    c = model.config.attention
+    c = model.config.attn_config
     n_c4 = context // c.csa_ratio
     per_seq = (c.num_layers * c.window * c.head_dim
                + c.num_csa * (n_c4 * c.index_head_dim + min(c.index_topk, n_c4) * c.head_dim)
@@ -82,7 +82,7 @@ class V4Stack:
 
     def __init__(self, model: Decoder, batch: int, capacity: int, chunk: int):
         self.graphdef, self.params = nnx.split(model)
-        self.config = model.config.attention
+        self.config = model.config.attn_config
         self.batch, self.chunk = batch, chunk
         pages = -(-capacity // 128)
         self.geometry = v4.CacheConfig(num_pages=batch * pages, max_slots=batch,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import hypothesis
 import jax
 import numpy as np
 import pytest
@@ -31,6 +32,13 @@ ORACLE_FP32_ATOL = 4e-6
 # Largest |value| the library rotates in these tests: RMS-normed entries (norm weights
 # 1 +- 0.1) and attention outputs, weighted means of N(0, 1) draws; observed at most 4.
 ROTATED_BOUND = 6.0
+
+
+# CI draws the same examples every run (a failure there reproduces); locally
+# V4KV_HYPOTHESIS_PROFILE=explore draws new ones each run.
+hypothesis.settings.register_profile("ci", derandomize=True)
+hypothesis.settings.register_profile("explore", derandomize=False)
+hypothesis.settings.load_profile(os.environ.get("V4KV_HYPOTHESIS_PROFILE", "ci"))
 
 
 def hypothesis_examples(default: int) -> int:

@@ -239,7 +239,7 @@ def after(x: jax.Array, dep: jax.Array) -> jax.Array:
 def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
                   ) -> Cache:
     """window: [n, B, T, hd] for global layers `layers` i32[n]."""
-    W = cache.model.window
+    W = cache.attn_config.window
     tokens = window.shape[2]
     j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
     n = plan.n_new[:, None]
@@ -258,7 +258,7 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width].
 
     With a state-only plan (`replay_plan`) only the tails are written: no entry is emitted."""
-    model, geo = cache.model, cache.geometry
+    model, geo = cache.attn_config, cache.geometry
     tokens = inputs.kv.shape[2]
     positions = plan.positions(tokens)
     kv = inputs.kv.astype(jnp.float32)
@@ -287,7 +287,7 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
 def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
                   weights: CompressorWeights, options: Options | None = None) -> Cache:
     """Appends the planned tokens to every layer."""
-    model = cache.model
+    model = cache.attn_config
     cache = write_window(cache, plan, jnp.arange(model.num_layers, dtype=jnp.int32),
                          vectors.window)
     for spec in cache.specs:

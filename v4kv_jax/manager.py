@@ -267,8 +267,8 @@ class CacheManager:
         self.table = SlotTable(geometry.max_slots)
 
     @property
-    def model(self) -> AttentionConfig:
-        return self.cache.model
+    def attn_config(self) -> AttentionConfig:
+        return self.cache.attn_config
 
     @property
     def geometry(self) -> CacheConfig:

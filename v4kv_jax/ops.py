@@ -242,7 +242,7 @@ def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, que
     Returns:
       (f32[B, 1, H, hd] de-rotated, the CSA picks i32[B, 1, k] or None).
     """
-    model, geo = cache.model, cache.geometry
+    model, geo = cache.attn_config, cache.geometry
     page_rows = paging.slot_rows(cache.pages, slot_ids)
     slot_ids = jnp.clip(slot_ids, 0, geo.max_slots - 1)  # a row with kv_end 0 reads nothing
     window = pools.window_ring(cache)

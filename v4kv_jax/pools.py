@@ -77,12 +77,12 @@ class Cache:
     classical: ClassicalPool
     pages: paging.PageState
     state: StatePool
-    model: AttentionConfig = struct.field(pytree_node=False)
+    attn_config: AttentionConfig = struct.field(pytree_node=False)
     geometry: CacheConfig = struct.field(pytree_node=False)
 
     @property
     def specs(self) -> tuple[CompressorSpec, ...]:
-        return compressor_specs(self.model)
+        return compressor_specs(self.attn_config)
 
 
 # --- accessors: the only code that reaches pool storage by field name ----------------------
@@ -157,7 +157,7 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
                              storage.dtype(geometry.window_dtype)),
             **tails,
         ),
-        model=model,
+        attn_config=model,
         geometry=geometry,
     )
 
@@ -448,7 +448,7 @@ class SlotReport:
 
 def inspect_slots(cache: Cache) -> list[SlotReport]:
     """What each non-free slot holds, derived from its length and page-table row."""
-    model = cache.model
+    model = cache.attn_config
     lengths = np.asarray(cache.state.lengths)
     status = np.asarray(cache.state.status)
     table = np.asarray(cache.pages.page_table)
@@ -501,7 +501,7 @@ def read_slot(cache: Cache, slot: int) -> SlotContents:
     S = cache.geometry.max_slots
     slot = checks.slot(slot, S)
     n = int(cache.state.lengths[slot])
-    W = cache.model.window
+    W = cache.attn_config.window
     positions = np.arange(max(0, n - W), n)
     window = np.asarray(window_ring(cache)[:, slot])[:, positions % W]
     table = np.asarray(cache.pages.page_table[slot])
@@ -587,7 +587,7 @@ def state_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> in
 
 
 def memory_report(cache: Cache) -> MemoryReport:
-    model, geo = cache.model, cache.geometry
+    model, geo = cache.attn_config, cache.geometry
     per_token = classical_bytes_per_token(model, geo.entry_dtype)
     page_bytes = int(per_token["total"] * geo.page_tokens)
     lengths = np.asarray(cache.state.lengths, dtype=np.int64)

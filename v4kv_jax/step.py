@@ -36,7 +36,7 @@ def _attend_chunk(cache: Cache, ref: LayerRef, rows: jax.Array, queries: Queries
                   ) -> tuple[jax.Array, jax.Array | None]:
     """(attention [B, T, H, hd], CSA picks [B, T, k] or None) of a chunk's queries (prefill:
     the reference; there are no prefill kernels)."""
-    model, geo = cache.model, cache.geometry
+    model, geo = cache.attn_config, cache.geometry
     entries = picks = None
     if ref.kind == LayerKind.CSA:
         entries = pools.entries(cache, "csa")
@@ -58,7 +58,7 @@ def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
                         vectors: vec.LayerVectors, queries: Queries, params: vec.LayerParams
                         ) -> None:
     """Shape checks of one layer's inputs (static: they run inside jit too)."""
-    model = cache.model
+    model = cache.attn_config
     batch = plan.slot_ids.shape[0]
     if vectors.window is None or np.ndim(vectors.window) != 3:
         checks.fail("vectors.window", f"an array [B={batch}, T, {model.head_dim}]",
@@ -104,7 +104,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
       layer (-1 = unused pick), None otherwise).
     """
     options = _options(options)
-    model = cache.model
+    model = cache.attn_config
     _check_layer_inputs(cache, plan, ref, vectors, queries, params)
     tokens = vectors.window.shape[1]
     W = model.window
@@ -205,7 +205,7 @@ def decode_attention_all(cache: Cache, queries: Queries, slot_ids, *,
     Returns:
       f32[n_layers, B, 1, H, hd].
     """
-    model = cache.model
+    model = cache.attn_config
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     out = jnp.zeros((model.num_layers, *queries.q.shape[1:]), jnp.float32)
     for kind in LayerKind:
@@ -244,7 +244,7 @@ def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: 
     Returns:
       (cache, f32[n_layers, B, T, H, hd]).
     """
-    model = cache.model
+    model = cache.attn_config
     out = None
     for kind in LayerKind:
         layers = model.layers_of(kind)
@@ -290,7 +290,7 @@ def _float_field(name: str, x, expected: tuple) -> None:
 
 def check_vectors(cache: Cache, vectors: TokenVectors, batch: int, tokens: int) -> None:
     """Raises ValueError / TypeError naming the field whose shape or dtype does not match."""
-    model = cache.model
+    model = cache.attn_config
     _float_field("vectors.window", vectors.window,
                  (model.num_layers, batch, tokens, model.head_dim))
     for spec in cache.specs:
@@ -303,7 +303,7 @@ def check_vectors(cache: Cache, vectors: TokenVectors, batch: int, tokens: int) 
 
 def check_weights(cache: Cache, weights: CompressorWeights) -> None:
     """Raises naming the compressor param whose shape does not match the config."""
-    model = cache.model
+    model = cache.attn_config
     for spec in cache.specs:
         n = len(model.layers_of(spec.kind))
         params = getattr(weights, spec.name)
@@ -315,7 +315,7 @@ def check_queries(cache: Cache, ref: LayerRef | None, queries: Queries, batch: i
                   tokens: int) -> None:
     """Raises naming the query field whose shape does not match (one layer's queries when
     `ref` is given, else queries stacked over all layers as `forward` takes them)."""
-    model = cache.model
+    model = cache.attn_config
     H, hd, nI, c = model.num_heads, model.head_dim, model.index_heads, model.index_head_dim
     if ref is None:
         lead, csa, sink = (model.num_layers,), (model.num_csa,), (model.num_layers, H)

@@ -141,7 +141,7 @@ class LayerRef:
     @classmethod
     def of(cls, cache, layer: int) -> LayerRef:
         """The layer `layer` of a cache (or of an AttentionConfig)."""
-        return cls.of_config(getattr(cache, "model", cache), layer)
+        return cls.of_config(getattr(cache, "attn_config", cache), layer)
 
     @classmethod
     def of_config(cls, config: AttentionConfig, layer: int) -> LayerRef:

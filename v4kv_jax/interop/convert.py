@@ -260,7 +260,7 @@ def load_attention(module, params: Mapping[str, np.ndarray], *, layer: int | Non
     """
     if layer is not None or isinstance(module, Decoder):
         block, r = _block(module, layer)
-        shapes = names.expected_shapes(module.config.attention, block.attn.kind)
+        shapes = names.expected_shapes(module.config.attn_config, block.attn.kind)
         check_layer_params(params, shapes, block.attn.kind, where=f"layer {layer}")
         for path, value in params.items():
             param = param_at(block.attn, path)

@@ -243,12 +243,12 @@ class V4Attention(nnx.Module):
         """
         if not isinstance(cache, Cache):
             checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
-        if cache.model != self.config:
+        if cache.attn_config != self.config:
             checks.fail("cache", "a cache built for the module's attention config",
                         "a cache of another AttentionConfig")
         ref = LayerRef.of(cache, layer)
         if ref.kind != self.kind:
-            same = [i for i, k in enumerate(cache.model.layer_kinds) if k == self.kind]
+            same = [i for i, k in enumerate(cache.attn_config.layer_kinds) if k == self.kind]
             checks.fail("layer", f"a {self.kind.name} layer like the module (the cache's "
                         f"{self.kind.name} layers: {same})", f"{layer}, a {ref.kind.name} layer")
         self._check_input(x)

@@ -68,7 +68,7 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
         return cache, last
 
     trips = (jnp.max(prompt_lengths) + prefill_chunk - 1) // prefill_chunk
-    last = jnp.zeros((batch, model.config.attention.hidden_size), jnp.float32)
+    last = jnp.zeros((batch, model.config.attn_config.hidden_size), jnp.float32)
     cache, last = jax.lax.fori_loop(0, trips, prefill, (cache, last))
 
     active = prompt_lengths > 0
@@ -141,7 +141,7 @@ class Generator:
                              f"max_seq_len={geometry.max_seq_len}")
         self.config = model.config
         self.graphdef, self.params = nnx.split(model)
-        self.cache = pools.init_cache(model.config.attention, geometry)
+        self.cache = pools.init_cache(model.config.attn_config, geometry)
         self.table = SlotTable(geometry.max_slots)
         self.max_new_tokens = max_new_tokens
         self.prefill_chunk = min(prefill_chunk, max_prompt_len)

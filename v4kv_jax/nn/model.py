@@ -41,13 +41,13 @@ class ModelConfig:
     """Geometry of the decoder.
 
     Attributes:
-      attention: the attention layers (their number and kinds come from `compress_ratios`).
+      attn_config: the attention layers (their number and kinds come from `compress_ratios`).
       vocab_size: V.
       mlp_hidden: width of the SwiGLU MLP of each block; 0 = no MLP.
       tie_embeddings: use the embedding as the LM head.
     """
 
-    attention: AttentionConfig
+    attn_config: AttentionConfig
     vocab_size: int = 256
     mlp_hidden: int = 0
     tie_embeddings: bool = False
@@ -60,7 +60,7 @@ class ModelConfig:
 
     @property
     def num_layers(self) -> int:
-        return self.attention.num_layers
+        return self.attn_config.num_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +106,7 @@ def check_chunk(config: ModelConfig, cache: Cache, tokens, slot_ids, n_new) -> N
     Raises TypeError / ValueError naming the argument, the expected and the actual value."""
     if not isinstance(cache, Cache):
         checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
-    if cache.model != config.attention:
+    if cache.attn_config != config.attn_config:
         checks.fail("cache", "a cache built for the model's attention config",
                     "a cache of another AttentionConfig")
     checks.dtype_kind("tokens", tokens, "integer")
@@ -152,10 +152,10 @@ class Block(nnx.Module):
 
     def __init__(self, config: ModelConfig, kind: LayerKind, *, rngs: nnx.Rngs,
                  param_dtype=jnp.float32, bias_scale: float = 0.0):
-        D = config.attention.hidden_size
-        self.eps = config.attention.rms_eps
+        D = config.attn_config.hidden_size
+        self.eps = config.attn_config.rms_eps
         self.attn_norm = nnx.Param(jnp.ones((D,), jnp.float32))
-        self.attn = V4Attention(config.attention, kind, rngs=rngs, param_dtype=param_dtype,
+        self.attn = V4Attention(config.attn_config, kind, rngs=rngs, param_dtype=param_dtype,
                                 bias_scale=bias_scale)
         with_mlp = config.mlp_hidden > 0
         self.mlp_norm = nnx.data(nnx.Param(jnp.ones((D,), jnp.float32)) if with_mlp else None)
@@ -193,14 +193,15 @@ class Decoder(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
                  bias_scale: float = 0.0, scan_layers: bool = True):
-        att = config.attention
-        D, V = att.hidden_size, config.vocab_size
+        attn_config = config.attn_config
+        D, V = attn_config.hidden_size, config.vocab_size
         self.config = config
         self.scan_layers = scan_layers
         if scan_layers:
-            self.layout = layer_groups(att.layer_kinds)
+            self.layout = layer_groups(attn_config.layer_kinds)
         else:
-            self.layout = tuple(LayerGroup(i, (k,), 1) for i, k in enumerate(att.layer_kinds))
+            self.layout = tuple(LayerGroup(i, (k,), 1)
+                                for i, k in enumerate(attn_config.layer_kinds))
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, D)).astype(param_dtype))
 
         def blocks(kind, n):
@@ -224,17 +225,17 @@ class Decoder(nnx.Module):
         One `lax.scan` per layer group (the cache and the residual stream are its carry), or
         one layer after the other with `scan_layers=False`.
         """
-        att = self.config.attention
+        attn_config = self.config.attn_config
         if not self.scan_layers:
             for group, (block,) in zip(self.layout, self.groups, strict=True):
-                ref = LayerRef(jnp.int32(group.first), jnp.int32(att.kind_index(group.first)),
-                               group.pattern[0])
+                ref = LayerRef(jnp.int32(group.first),
+                               jnp.int32(attn_config.kind_index(group.first)), group.pattern[0])
                 cache, x = block(x, cache, plan, ref, options=options)
             return cache, x
         for group, blocks in zip(self.layout, self.groups, strict=True):
             split = [nnx.split(b) for b in blocks]
             refs = [(np.asarray(group.layers(j), np.int32),
-                     np.asarray([att.kind_index(i) for i in group.layers(j)], np.int32))
+                     np.asarray([attn_config.kind_index(i) for i in group.layers(j)], np.int32))
                     for j in range(len(group.pattern))]
 
             def body(carry, xs, group=group, split=split):
@@ -277,7 +278,7 @@ class Decoder(nnx.Module):
         x = self.embed[...][tokens].astype(jnp.float32)
         cache, x = self.layers(x, cache, plan, options=options)
         cache = append.end_append(cache, plan)
-        return cache, rms_norm(x, self.norm[...], self.config.attention.rms_eps)
+        return cache, rms_norm(x, self.norm[...], self.config.attn_config.rms_eps)
 
     def replay(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, start: jax.Array,
                n_new: jax.Array, *, options: Options | None = None) -> Cache:

@@ -210,7 +210,7 @@ def owned_masks(cache: Cache) -> dict[str, np.ndarray]:
     lengths = np.asarray(pools.lengths(cache), np.int64)
     live = np.asarray(pools.status(cache)) != SlotStatus.FREE
     table = np.asarray(cache.pages.page_table)
-    S, W = geo.max_slots, cache.model.window
+    S, W = geo.max_slots, cache.attn_config.window
     masks = {"window": np.zeros((1, S, W, 1), bool)}
     for s in np.flatnonzero(live):
         n = lengths[s]
