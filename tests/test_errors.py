@@ -281,3 +281,12 @@ def test_padding_rows_with_slot_minus_one_are_accepted_and_inert():
     assert int(cache.state.lengths[0]) == 4
     assert not np.asarray(out)[:, 1].any()
     _assert_same(pools.window_ring(before)[:, 1:], np.asarray(pools.window_ring(cache)[:, 1:]))
+
+
+def test_decode_attention_all_checks_slots_and_queries():
+    cache = _cache()
+    q = DATA.stacked_queries(np.zeros((1, 1), int), [0])
+    with pytest.raises(ValueError, match=r"slot_ids: expected values <= 2; got \[3\]"):
+        step.decode_attention_all(cache, q, [3])
+    with pytest.raises(ValueError, match=r"queries.q: expected shape \(5, 1, 1, 4, 32\)"):
+        step.decode_attention_all(cache, q.replace(q=q.q[..., :8]), [0])

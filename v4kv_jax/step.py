@@ -206,7 +206,10 @@ def decode_attention_all(cache: Cache, queries: Queries, slot_ids, *,
       f32[n_layers, B, 1, H, hd].
     """
     model = cache.attn_config
+    if checks.concrete(slot_ids):
+        checks.int_array("slot_ids", slot_ids, ndim=1, lo=0, hi=cache.geometry.max_slots - 1)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
+    check_queries(cache, None, queries, slot_ids.shape[0], 1)
     out = jnp.zeros((model.num_layers, *queries.q.shape[1:]), jnp.float32)
     for kind in LayerKind:
         layers = model.layers_of(kind)
