@@ -8,6 +8,7 @@ holds the awkward lengths 0, 1, 3, 4, 127, 128, 129, P-1, P, P+1 and a few thous
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import numpy as np
@@ -17,7 +18,11 @@ from v4kv_jax.testing import synthetic
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-IMPLEMENTATIONS = ("pallas_tpu", "pallas_gpu")
+# V4KV_KERNEL_DEVICE=gpu (or tpu) runs only that backend's kernels, compiled for the device
+# instead of interpreted (benchmarks/gpu_check.sh); unset, both families run in interpret mode.
+DEVICE = os.environ.get("V4KV_KERNEL_DEVICE", "")
+IMPLEMENTATIONS = (f"pallas_{DEVICE}",) if DEVICE else ("pallas_tpu", "pallas_gpu")
+INTERPRET = not DEVICE
 LONG = 3001  # "a few thousand": 750 C4 entries, 187 C128 entries (m' = 16)
 
 # (page tokens, storage dtype, query heads): both page sizes with both dtypes, three head counts

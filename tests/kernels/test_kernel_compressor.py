@@ -8,7 +8,7 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import IMPLEMENTATIONS, LONG, STORED_TOLERANCE, model_for, random_cache
+from kernel_cases import IMPLEMENTATIONS, INTERPRET, LONG, STORED_TOLERANCE, model_for, random_cache
 
 from pallas_kernels.compressor import BlockSizes
 from v4kv_jax import ops, pools
@@ -71,7 +71,7 @@ def test_emitted_entries_match_reference(case, implementation):
     written = 0
     for x, want in zip(case.specs, case.want, strict=True):
         name = x["spec"].name
-        got = case.emit(x, implementation=implementation, interpret=True,
+        got = case.emit(x, implementation=implementation, interpret=INTERPRET,
                         block_sizes=BlockSizes(blocks_per_step=4, channels_per_step=8))
         before = np.asarray(x["pool"])
         rows = _changed(want, before).any(-1)

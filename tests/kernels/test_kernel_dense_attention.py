@@ -11,6 +11,7 @@ from kernel_cases import (
     CASE_IDS,
     CASES,
     IMPLEMENTATIONS,
+    INTERPRET,
     assert_close,
     decode_positions,
     lengths_for,
@@ -49,7 +50,7 @@ def case(request):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_dense_decode_attention_matches_reference(case, implementation):
     # 16 entries per block: the 3001-token row folds 12 blocks (TPU: 1-2 pages each).
-    got = case.run(implementation=implementation, interpret=True,
+    got = case.run(implementation=implementation, interpret=INTERPRET,
                    block_sizes=BlockSizes(entries_per_block=16, num_splits=3))
     assert np.isfinite(got).all()
     assert_close(got, case.want, case.dtype)

@@ -10,6 +10,7 @@ from kernel_cases import (
     CASE_IDS,
     CASES,
     IMPLEMENTATIONS,
+    INTERPRET,
     assert_close,
     decode_positions,
     lengths_for,
@@ -46,7 +47,7 @@ def case(request):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_index_scores_and_picks_match_reference(case, implementation):
-    kernel = dict(implementation=implementation, interpret=True,
+    kernel = dict(implementation=implementation, interpret=INTERPRET,
                   block_sizes=BlockSizes(entries_per_block=64))
     got = np.asarray(ops.index_scores(*case.args, **case.arrays, **kernel))
     want = case.scores

@@ -11,6 +11,7 @@ from kernel_cases import (
     CASE_IDS,
     CASES,
     IMPLEMENTATIONS,
+    INTERPRET,
     assert_close,
     decode_positions,
     lengths_for,
@@ -57,7 +58,7 @@ def case(request):
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_sparse_decode_attention_matches_reference(case, implementation):
     # 16 picks per block: 48 picks span three blocks (double buffering, GPU splits).
-    got = case.run(implementation=implementation, interpret=True,
+    got = case.run(implementation=implementation, interpret=INTERPRET,
                    block_sizes=BlockSizes(picks_per_block=16, num_splits=2))
     assert np.isfinite(got).all()
     assert np.abs(case.want[0]).max() == 0.0  # length 0: nothing visible, the sink alone
