@@ -400,7 +400,8 @@ class Engine:
         return self._finish(req, "aborted")
 
     def status(self, request_id: int) -> str:
-        """"waiting", "replay", "prefill" or "decode" for a request in flight."""
+        """The phase of a request in flight: "waiting" (queued), "replay", "prefill" or
+        "decode"."""
         return self._request(request_id).phase()
 
     @property
