@@ -445,3 +445,18 @@ def test_readme_block_runs_as_written():
     assert (second.cached_tokens, second.restored_by) == (256, "snapshot")
     assert first.finish_reason == "length" and cold_run.cached_tokens == 0
     np.testing.assert_array_equal(jax.device_get(scope["engine"].cache.pages.page_table), -1)
+
+
+def test_a_request_the_pool_cannot_hold_yet_waits():
+    """Admission reserves each running request's pages up to its full length: a request that
+    does not fit stays queued (nothing changes) until pages are free. Checked on the
+    admission alone (`_admit`), without running a step of this geometry."""
+    eng = Engine(DECODER, v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=6),
+                 prefill_chunk=CHUNK)
+    a = eng.add_request(BASE[:400], 100)  # 4 pages at its full length
+    b = eng.add_request(BASE[1:300], 50)  # 3 pages
+    assert eng._admit(eng._requests[a])
+    assert not eng._admit(eng._requests[b])
+    assert eng.status(b) == "waiting" and int(eng.cache.pages.num_free) == 6
+    eng.abort(a)
+    assert eng._admit(eng._requests[b])
