@@ -16,6 +16,9 @@ def test_demo_runs_and_matches_the_oracle(capsys):
     assert "Classical bytes/token" in out and "Dense per-token cache" in out
     assert re.search(r"Largest deviation from the brute-force oracle: \d\.\d\de-0[5-9]", out)
     assert re.search(r"req0 +203 +50 +1 ", out)
+    # The prefix step: req0's first page is shared, and the hit's output is the cold run's.
+    assert "cached tokens 128 of 153 (State restored by snapshot on the device tier" in out
+    assert "Prefix hit equals the cold run: yes" in out
 
 
 def test_memory_of_flash_preset(capsys):

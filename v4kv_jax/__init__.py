@@ -3,6 +3,7 @@
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
 from v4kv_jax.attention import output_projection
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
+from v4kv_jax.engine import Engine, EngineReport, RequestOutput
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
@@ -10,9 +11,13 @@ from v4kv_jax.pools import (
     StateSnapshot,
     attach_prefix,
     clear_flags,
+    drop_pages,
+    hold_pages,
     init_cache,
     inspect_slots,
+    load_pages,
     memory_report,
+    read_pages,
     read_slot,
     release_slot,
     reset_slot,
@@ -41,10 +46,12 @@ from v4kv_jax.vectors import (
 
 __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput", "CompressorParams",
-    "CompressorWeights", "LayerKind", "LayerParams", "LayerRef", "LayerVectors", "MemoryReport",
-    "Options", "Queries", "SlotStatus", "StateSnapshot", "TokenVectors", "append_and_attend",
-    "attach_prefix", "begin_append", "clear_flags", "decode_attention", "decode_step",
-    "end_append", "flash", "init_cache", "inspect_slots", "layer_step", "layers_step",
-    "memory_report", "output_projection", "prefill", "pro", "read_slot", "release_slot",
-    "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state", "tiny",
+    "CompressorWeights", "Engine", "EngineReport", "LayerKind", "LayerParams", "LayerRef",
+    "LayerVectors", "MemoryReport", "Options", "Queries", "RequestOutput", "SlotStatus",
+    "StateSnapshot", "TokenVectors", "append_and_attend", "attach_prefix", "begin_append",
+    "clear_flags", "decode_attention", "decode_step", "drop_pages", "end_append", "flash",
+    "hold_pages", "init_cache", "inspect_slots", "layer_step", "layers_step", "load_pages",
+    "memory_report", "output_projection", "prefill", "pro", "read_pages", "read_slot",
+    "release_slot", "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state",
+    "tiny",
 ]

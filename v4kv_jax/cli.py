@@ -3,7 +3,8 @@
   v4kv demo      prefill + decode a ragged batch on a small random model with all three layer
                  kinds; prints occupancy, the memory report against a dense cache, tokens/s
                  and the largest deviation from the brute-force oracle; then generates
-                 tokens with a Flax decoder of the same attention geometry (jitted loop).
+                 tokens with a Flax decoder of the same attention geometry (the Engine), and
+                 a prompt sharing a prefix hits its pages (checked against a cold run).
   v4kv memory    the cache cost of a preset (flash, pro) at a given context, computed from
                  the geometry alone.
 """
@@ -67,7 +68,7 @@ def demo(args) -> int:
     outputs = np.zeros((model.num_layers, len(lengths), int(total.max()), model.num_heads,
                         model.head_dim), np.float32)
 
-    _say(f"[1/5] prefill of {lengths.tolist()} tokens, {chunk}-token chunks "
+    _say(f"[1/6] prefill of {lengths.tolist()} tokens, {chunk}-token chunks "
          "(first call compiles)")
     done = np.zeros_like(lengths)
     compile_s, prefill_s, prefill_tokens = 0.0, 0.0, 0
@@ -88,7 +89,7 @@ def demo(args) -> int:
         done += n
         _say(f"      {done.tolist()}")
 
-    _say(f"[2/5] decode of {args.decode_steps} steps x {len(lengths)} requests")
+    _say(f"[2/6] decode of {args.decode_steps} steps x {len(lengths)} requests")
     decode_s = decode_compile = 0.0
     for i in range(args.decode_steps):
         pos = lengths + i
@@ -102,7 +103,7 @@ def demo(args) -> int:
             decode_s += dt
         outputs[:, rows, pos] = out[:, rows, 0]
 
-    _say("[3/5] brute-force oracle (every entry recomputed from the full history)")
+    _say("[3/6] brute-force oracle (every entry recomputed from the full history)")
     worst, worst_at = 0.0, None
     for layer, kind in enumerate(model.layer_kinds):
         for b in rows:
@@ -112,7 +113,7 @@ def demo(args) -> int:
             if dev > worst:
                 worst, worst_at = dev, (layer, kind.name, requests[b])
 
-    _say("[4/5] report\n")
+    _say("[4/6] report\n")
     _say(f"{'request':>8} {'length':>7} {'C4/layer':>9} {'C128/layer':>11} {'tails':>7} "
          f"{'window':>12} pages")
     for r, rep in mgr.inspect().items():
@@ -140,15 +141,18 @@ def demo(args) -> int:
              f"requests, all layers) after a {decode_compile:.1f} s first step")
     _say(f"Largest deviation from the brute-force oracle: {worst:.2e}"
          + (f" (layer {worst_at[0]} {worst_at[1]}, {worst_at[2]})" if worst_at else ""))
-    generate(model, lengths, args)
-    return 0 if worst < 1e-4 else 1
+    prefix_ok = generate(model, lengths, args)
+    return 0 if worst < 1e-4 and prefix_ok else 1
 
 
-def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> None:
-    """Generates with a random-weight `v4kv_jax.nn.Decoder` of the demo's attention geometry."""
+def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
+    """Generates with a random-weight `v4kv_jax.nn.Decoder` of the demo's attention geometry,
+    served by the `v4kv_jax.Engine`; then a prompt sharing req0's prefix hits its pages.
+    Returns whether that hit's output equals a cold run's."""
     from flax import nnx
 
-    from v4kv_jax.nn import Decoder, Generator, ModelConfig
+    from v4kv_jax.engine import Engine
+    from v4kv_jax.nn import Decoder, ModelConfig
 
     config = ModelConfig(attention, vocab_size=args.vocab, mlp_hidden=2 * attention.hidden_size)
     model = Decoder(config, rngs=nnx.Rngs(args.seed), bias_scale=0.5,
@@ -157,30 +161,63 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> None:
     longest = int(lengths.max())
     geometry = cfg.CacheConfig(num_pages=args.pages, max_slots=batch,
                                max_pages_per_seq=-(-(longest + new) // 128))
+    P = geometry.page_tokens
+    chunk = 1 << (min(args.chunk, P).bit_length() - 1)  # the Engine's chunks divide a page
     rng = np.random.default_rng(args.seed)
     prompts = [rng.integers(0, args.vocab, int(n)).tolist() for n in lengths]
-    _say(f"\n[5/5] generation with a {config.num_layers}-layer Flax decoder (vocab "
+    _say(f"\n[5/6] generation with a {config.num_layers}-layer Flax decoder (vocab "
          f"{args.vocab}, SwiGLU MLP {config.mlp_hidden}, random weights, layers "
-         f"{'unrolled' if args.unroll else 'scanned'}): {batch} prompts of "
-         f"{lengths.tolist()} tokens, {new} new tokens each, greedy")
-    gen = Generator(model, geometry, max_prompt_len=longest, max_new_tokens=new,
-                    prefill_chunk=args.chunk)
+         f"{'unrolled' if args.unroll else 'scanned'}) served by v4kv_jax.Engine (continuous "
+         f"batching, {chunk}-token prefill chunks): {batch} prompts of {lengths.tolist()} "
+         f"tokens, {new} new tokens each, greedy")
+    engine = Engine(model, geometry, prefill_chunk=chunk, snapshot_every_pages=1,
+                    keep_logits=True)
     t0 = time.perf_counter()
-    gen.generate(prompts)
+    engine.generate(prompts, new, cache_salt="warm-up")
     first = time.perf_counter() - t0
     t0 = time.perf_counter()
-    out = gen.generate(prompts)
+    out = engine.generate(prompts, new)
     full = time.perf_counter() - t0
     t0 = time.perf_counter()
-    gen.generate([p[:1] for p in prompts])  # the same program with 1-token prompts
+    engine.generate([p[:1] for p in prompts], new)  # the same program with 1-token prompts
     short = time.perf_counter() - t0
-    for i, row in enumerate(out.as_lists()):
+    for i, o in enumerate(out):
+        row = o.tokens
         _say(f"      req{i}: ... {prompts[i][-3:]} -> {row[:12]}{' ...' if len(row) > 12 else ''}")
-    made = int(out.lengths.sum())
+    made = sum(len(o.tokens) for o in out)
     _say(f"Generation: {made / full:,.0f} tokens/s end to end ({made} new tokens for "
          f"{int(lengths.sum())} prompt tokens in {full:.2f} s), {batch * new / short:,.0f} "
-         f"tokens/s with 1-token prompts (decode alone); one compiled program, "
+         f"tokens/s with 1-token prompts (decode alone); one compiled step program, "
          f"{first:.1f} s first call")
+
+    shared = (len(prompts[0]) - 1) // P * P
+    if not shared:
+        _say(f"\n[6/6] prefix sharing: skipped (req0 holds no full page of {P} tokens)")
+        return True
+    prompt = prompts[0][:shared + 5] + rng.integers(0, args.vocab, 20).tolist()
+    _say(f"\n[6/6] prefix sharing: a prompt of req0's first {shared + 5} tokens and 20 new ones")
+    request = engine.add_request(prompt, new)
+    hit = None
+    while engine.status(request) != "decode":
+        engine.step()
+    slot = engine.table.slot(request)
+    attached = np.asarray(engine.cache.pages.page_table)[slot, :shared // P].tolist()
+    refcount = np.asarray(engine.cache.pages.refcount)[attached].tolist()
+    while hit is None:
+        hit = next((o for o in engine.step() if o.request_id == request), None)
+    (cold,) = engine.generate([prompt], new, cache_salt="cold")
+    same = hit.tokens == cold.tokens
+    diff = float(np.abs(hit.logits - cold.logits).max()) if same else float("inf")
+    tier = f" on the {hit.snapshot_tier} tier" if hit.snapshot_tier else ""
+    _say(f"      pages shared: {attached} (refcounts {refcount}: the prefix index and this "
+         f"request; one physical copy)")
+    _say(f"      cached tokens {hit.cached_tokens} of {len(prompt)} (State restored by "
+         f"{hit.restored_by}{tier}; {hit.replayed_tokens} tokens replayed)")
+    ok = same and diff <= 1e-5
+    _say(f"Prefix hit equals the cold run: {'yes' if ok else 'NO'} (greedy tokens "
+         f"{'identical' if same else 'differ'}, largest logit difference {diff:.1e})")
+    _say("\n" + engine.memory_report().format())
+    return ok
 
 
 def memory(args) -> int:

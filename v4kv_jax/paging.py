@@ -6,7 +6,9 @@ Layout (all int32, -1 = no page):
   free_stack  i32[num_pages]                      free_stack[:num_free] are the free page ids;
                                                   pages are popped from the top.
   num_free    i32[]
-  refcount    i32[num_pages]                      requests holding each page (0 = free).
+  refcount    i32[num_pages]                      holders of each page: page-table rows, and
+                                                  holders outside the table such as a prefix
+                                                  index (`hold`, `take`); 0 = free.
 
 Entry i of a kind with ratio m lives at page `page_table[slot, i // (P // m)]`, row
 `i % (P // m)`; a page id names the same token range in every layer.
@@ -145,20 +147,85 @@ def attach(pages: PageState, slot: jax.Array, page_ids: jax.Array, n_pages: jax.
 def release(pages: PageState, slot_mask: jax.Array) -> PageState:
     """Drops the page references of the slots in `slot_mask`; pages reaching 0 become free."""
     rows = jnp.where(slot_mask[:, None], pages.page_table, -1)
+    pages = _decrement(pages, rows.reshape(-1))
+    return pages.replace(page_table=jnp.where(slot_mask[:, None], -1, pages.page_table))
+
+
+def _decrement(pages: PageState, page_ids: jax.Array) -> PageState:
+    """One reference less per entry of `page_ids` (-1 entries ignored, a repeated id counts
+    each time); pages reaching 0 go back on the free stack."""
     n = pages.num_pages
-    dec = jnp.zeros((n,), jnp.int32).at[jnp.where(rows >= 0, rows, n)].add(1, mode="drop")
+    dec = jnp.zeros((n,), jnp.int32).at[jnp.where(page_ids >= 0, page_ids, n)].add(
+        1, mode="drop")
     refcount = pages.refcount - dec
     freed = (dec > 0) & (refcount == 0)
     rank = jnp.cumsum(freed.astype(jnp.int32)) - 1
     dest = jnp.where(freed, pages.num_free + rank, n)
     free_stack = pages.free_stack.at[dest].set(jnp.arange(n, dtype=jnp.int32), mode="drop")
-    page_table = jnp.where(slot_mask[:, None], -1, pages.page_table)
     return pages.replace(
-        page_table=page_table,
         free_stack=free_stack,
         num_free=pages.num_free + jnp.sum(freed, dtype=jnp.int32),
         refcount=refcount,
     )
+
+
+def _held_ids_ok(pages: PageState, page_ids: jax.Array) -> jax.Array:
+    """bool[]: every id of `page_ids` is -1 (ignored) or a distinct page in use."""
+    N = pages.num_pages
+    used = page_ids >= 0
+    in_use = (page_ids < N) & (pages.refcount[jnp.clip(page_ids, 0, N - 1)] > 0)
+    j = jnp.arange(page_ids.shape[0])
+    dup = jnp.any((page_ids[:, None] == page_ids[None, :]) & used[:, None]
+                  & (j[:, None] < j[None, :]))
+    return jnp.all(~used | in_use) & ~dup
+
+
+def hold(pages: PageState, page_ids: jax.Array) -> tuple[PageState, jax.Array]:
+    """One more reference to each page of `page_ids`, for a holder outside the page table
+    (e.g. a prefix index keeping the full pages of finished requests), all or nothing.
+
+    Nothing changes (and `ok` is False) unless every id is -1 (ignored) or a distinct page
+    in use (refcount > 0).
+
+    Args:
+      page_ids: i32[k].
+
+    Returns:
+      (pages, ok bool[]).
+    """
+    ids = jnp.asarray(page_ids, jnp.int32).reshape(-1)
+    ok = _held_ids_ok(pages, ids)
+    refcount = pages.refcount.at[jnp.where(ok & (ids >= 0), ids, pages.num_pages)].add(
+        1, mode="drop")
+    return pages.replace(refcount=refcount), ok
+
+
+def drop(pages: PageState, page_ids: jax.Array) -> tuple[PageState, jax.Array]:
+    """Gives back one reference to each page of `page_ids` taken with `hold` (or `take`);
+    pages reaching 0 become free. All or nothing, with the rules of `hold`."""
+    ids = jnp.asarray(page_ids, jnp.int32).reshape(-1)
+    ok = _held_ids_ok(pages, ids)
+    return _decrement(pages, jnp.where(ok, ids, -1)), ok
+
+
+def take(pages: PageState, n_pages: jax.Array, size: int) -> tuple[PageState, jax.Array]:
+    """Pops `n_pages` free pages for a holder outside the page table (refcount 1 each).
+
+    Args:
+      n_pages: i32[], 0 <= n_pages <= min(size, num_free); otherwise nothing is taken.
+      size: static length of the returned ids.
+
+    Returns:
+      (pages, page_ids i32[size]): the taken pages first, -1 after them (all -1 when
+      nothing was taken).
+    """
+    n = jnp.asarray(n_pages, jnp.int32)
+    ok = (n >= 0) & (n <= min(size, pages.num_pages)) & (n <= pages.num_free)
+    j = jnp.arange(size, dtype=jnp.int32)
+    takes = ok & (j < n)
+    ids = jnp.where(takes, pages.free_stack[jnp.clip(pages.num_free - 1 - j, 0, None)], -1)
+    refcount = pages.refcount.at[jnp.where(takes, ids, pages.num_pages)].set(1, mode="drop")
+    return pages.replace(num_free=pages.num_free - jnp.where(ok, n, 0), refcount=refcount), ids
 
 
 def entry_pages(page_table_rows: jax.Array, entry_idx: jax.Array,

@@ -322,6 +322,113 @@ def attach_prefix(cache: Cache, slot, page_ids, n_pages) -> Cache:
                       lengths=jnp.where(mask, n * geo.page_tokens, cache.state.lengths))
 
 
+def _check_held_ids(cache: Cache, page_ids, name: str = "page_ids") -> np.ndarray | None:
+    """Concrete checks of ids of pages in use (-1 ignored): returns them, or None under jit."""
+    if not checks.concrete(page_ids, cache.pages.refcount):
+        return None
+    ids = checks.int_array(name, page_ids, ndim=1)
+    N = cache.geometry.num_pages
+    used = ids[ids >= 0]
+    if (ids < -1).any() or (used >= N).any():
+        checks.fail(name, f"page ids in [0, {N}) (num_pages) or -1 (none)", ids)
+    if len(set(used.tolist())) != used.size:
+        checks.fail(name, "distinct page ids", ids)
+    refcount = np.asarray(cache.pages.refcount)
+    free = [p for p in used.tolist() if refcount[p] <= 0]
+    if free:
+        checks.fail(name, "pages in use (refcount > 0)", f"page {free[0]} with refcount 0")
+    return ids
+
+
+def hold_pages(cache: Cache, page_ids) -> Cache:
+    """One more reference to each page in use of `page_ids` (-1 entries ignored), for a
+    holder outside the page tables: a prefix index keeps the full pages of finished requests
+    this way, so that `release_slot` does not free them. Give each back with `drop_pages`.
+
+    Called with concrete arguments, an id out of range, repeated, or of a free page raises
+    ValueError (TypeError for a wrong type); inside a caller's jit such a call changes
+    nothing.
+    """
+    _check_held_ids(cache, page_ids)
+    pages, _ = paging.hold(cache.pages, jnp.asarray(page_ids, jnp.int32))
+    return cache.replace(pages=pages)
+
+
+def drop_pages(cache: Cache, page_ids) -> Cache:
+    """Gives back one reference to each page of `page_ids` (-1 entries ignored) taken with
+    `hold_pages` or `load_pages`; a page no one holds any more goes back on the free stack.
+    Checks as `hold_pages`. Dropping a reference the caller does not hold takes another
+    holder's: the caller keeps its own count.
+    """
+    _check_held_ids(cache, page_ids)
+    pages, _ = paging.drop(cache.pages, jnp.asarray(page_ids, jnp.int32))
+    return cache.replace(pages=pages)
+
+
+def read_pages(cache: Cache, page_ids) -> dict[str, jax.Array]:
+    """The Classical rows of whole pages, as stored: compressor name -> [n_kind_layers, k,
+    P // m, width] for page_ids i32[k] (rows of a -1 id are zeros). With `load_pages`, this
+    moves full pages out of the pool and back (e.g. to disk and into another process).
+
+    Called with concrete ids, an id outside [-1, num_pages) raises ValueError.
+    """
+    N = cache.geometry.num_pages
+    if checks.concrete(page_ids):
+        checks.int_array("page_ids", page_ids, ndim=1, lo=-1, hi=N - 1)
+    ids = jnp.asarray(page_ids, jnp.int32).reshape(-1)
+    present = (ids >= 0)[None, :, None, None]
+    return {spec.name: jnp.where(present, entries(cache, spec.name)[:, jnp.clip(ids, 0, N - 1)],
+                                 jnp.zeros((), entries(cache, spec.name).dtype))
+            for spec in cache.specs}
+
+
+def load_pages(cache: Cache, contents: dict, n_pages) -> tuple[Cache, jax.Array]:
+    """Takes `n_pages` free pages for a holder outside the page tables (refcount 1 each: give
+    them back with `drop_pages`) and writes the first n_pages pages of `contents` into them.
+
+    Args:
+      contents: compressor name -> [n_kind_layers, k, P // m, width] of the cache's dtype, as
+        `read_pages` returns them.
+      n_pages: 0 <= n_pages <= min(k, free pages).
+
+    Returns:
+      (cache, page_ids i32[k]): the pages taken, -1 past n_pages. Called with concrete
+      arguments, a broken rule raises ValueError (TypeError for a wrong type or dtype);
+      inside a caller's jit a call that breaks one takes nothing (all ids -1).
+    """
+    want = jax.eval_shape(lambda c: read_pages(c, jnp.zeros((1,), jnp.int32)), cache)
+    if not isinstance(contents, dict) or set(contents) != set(want):
+        checks.fail("contents", f"a dict of the compressors {sorted(want)}",
+                    sorted(contents) if isinstance(contents, dict) else type(contents).__name__,
+                    TypeError)
+    k = None
+    for name, w in want.items():
+        x = contents[name]
+        if np.ndim(x) != 4:
+            checks.fail(f"contents[{name!r}]", f"an array [n_layers, k, {w.shape[2]}, "
+                        f"{w.shape[3]}]", f"shape {np.shape(x)}")
+        k = x.shape[1] if k is None else k
+        checks.shape(f"contents[{name!r}]", x, (w.shape[0], k, w.shape[2], w.shape[3]))
+        if np.dtype(x.dtype) != np.dtype(w.dtype):
+            checks.fail(f"contents[{name!r}]", f"dtype {np.dtype(w.dtype)} (the cache's)",
+                        f"dtype {np.dtype(x.dtype)}", TypeError)
+    k = k or 0
+    if checks.concrete(n_pages, cache.pages.num_free):
+        if isinstance(n_pages, (np.ndarray, jax.Array)):
+            checks.shape("n_pages", n_pages, ())
+            checks.dtype_kind("n_pages", n_pages, "integer")
+            n_pages = int(n_pages)
+        checks.integer("n_pages", n_pages, lo=0, hi=min(k, int(cache.pages.num_free)))
+    pages, ids = paging.take(cache.pages, n_pages, k)
+    cache = cache.replace(pages=pages)
+    dest = jnp.where(ids >= 0, ids, cache.geometry.num_pages)
+    for spec in cache.specs:
+        stored = entries(cache, spec.name)
+        cache = with_entries(cache, spec.name, stored.at[:, dest].set(
+            jnp.asarray(contents[spec.name]), mode="drop"))
+    return cache, ids
+
+
 @struct.dataclass
 class StateSnapshot:
     """One request's State, out of its slot (as stored): enough to resume it in a slot that
@@ -621,7 +728,8 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 __all__ = [
     "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "SlotContents", "SlotReport",
     "SlotStatus", "StatePool", "StateSnapshot", "Tail", "attach_prefix",
-    "classical_bytes_per_token", "clear_flags", "dense_cache_bytes_per_token", "init_cache",
-    "inspect_slots", "memory_report", "read_slot", "release_slot", "reset_slot",
-    "restore_state", "snapshot_state", "state_bytes_per_request",
+    "classical_bytes_per_token", "clear_flags", "dense_cache_bytes_per_token", "drop_pages",
+    "hold_pages", "init_cache", "inspect_slots", "load_pages", "memory_report", "read_pages",
+    "read_slot", "release_slot", "reset_slot", "restore_state", "snapshot_state",
+    "state_bytes_per_request",
 ]

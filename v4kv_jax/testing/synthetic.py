@@ -193,14 +193,15 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
         refcount=jnp.asarray(refcount)))
 
 
-def owned_masks(cache: Cache) -> dict[str, np.ndarray]:
+def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
     """What live requests own, as bool masks shaped like the cache's storage arrays.
 
     A slot is live unless FREE. It owns, per layer: the window rows of its last
     min(length, W) positions; the tail rows of its open block (and, with overlap, of the
     complete block before it); and in the Classical pool the rows of its complete entries
-    (entry i < length // m) in the pages of its page-table row. Everything else is memory no
-    request may read.
+    (entry i < length // m) in the pages of its page-table row. Every row of `held_pages`
+    (full pages held outside the page tables, e.g. by a prefix index) is owned too.
+    Everything else is memory no request may read.
 
     Returns:
       {"window", "<compressor>_tail", "<compressor>_entries"} -> bool masks broadcastable to
@@ -228,18 +229,21 @@ def owned_masks(cache: Cache) -> dict[str, np.ndarray]:
                 if page >= 0:
                     rows = np.arange(epp)
                     entries[0, page] |= (col * epp + rows < count)[:, None]
+        for page in held_pages:
+            entries[0, int(page)] = True
         masks[f"{spec.name}_tail"] = tail
         masks[f"{spec.name}_entries"] = entries
     return masks
 
 
-def poison_unowned(cache: Cache, value: float = float("nan")) -> Cache:
-    """The cache with every storage row no live request owns set to `value` (`owned_masks`).
+def poison_unowned(cache: Cache, value: float = float("nan"), held_pages=()) -> Cache:
+    """The cache with every storage row no live request owns set to `value` (`owned_masks`,
+    with the full pages `held_pages` held outside the page tables).
 
     Outputs and states of live requests must not change by a single bit: a read that is
     not masked with `where` (0 * NaN = NaN) or that reaches another request's rows shows up.
     """
-    masks = owned_masks(cache)
+    masks = owned_masks(cache, held_pages)
 
     def fill(x, mask):
         return jnp.where(jnp.asarray(mask), x, jnp.asarray(value, x.dtype))

@@ -1,0 +1,462 @@
+"""The token-aware engine (`v4kv_jax.engine.Engine`): continuous batching with prefix sharing.
+
+Every hit is held to a cold run of the same prompt (greedy tokens identical, logits within
+1e-5), for each way the State at the hit is rebuilt. A cold run is the same engine with a salt
+no page was written under, so it runs the same compiled program. The model has 3 layers (SWA,
+CSA, HCA) and W = 64, so R = 3 * 63 + 1 = 190 tokens, 2 pages: a hit of 1 page with no
+snapshot is recomputed, deeper ones replay 2 pages from the empty State.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import v4kv_jax as v4
+from v4kv_jax import engine as engine_module
+from v4kv_jax import pools
+from v4kv_jax.engine import Engine
+from v4kv_jax.manager import PoolExhaustedError
+from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.testing import synthetic
+
+from conftest import GEOMETRY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ATTENTION = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))
+CONFIG = ModelConfig(ATTENTION, vocab_size=40, mlp_hidden=48)
+DECODER = Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.5)
+P = GEOMETRY.page_tokens
+CHUNK = 64
+BASE = np.random.default_rng(5).integers(0, CONFIG.vocab_size, 700).tolist()
+_salts = itertools.count()
+
+
+def engine(model=DECODER, **kwargs) -> Engine:
+    kwargs.setdefault("keep_logits", True)
+    return Engine(model, GEOMETRY, prefill_chunk=CHUNK, **kwargs)
+
+
+def cold(eng: Engine, prompt, max_new_tokens=4):
+    (out,) = eng.generate([prompt], max_new_tokens, cache_salt=f"cold-{next(_salts)}")
+    assert out.cached_tokens == 0 and out.restored_by == "none"
+    return out
+
+
+def assert_same(hit, want):
+    assert hit.tokens == want.tokens
+    assert hit.logits.shape == want.logits.shape
+    np.testing.assert_allclose(hit.logits, want.logits, atol=1e-5, rtol=0)
+
+
+def restore(out):
+    return out.cached_tokens, out.replayed_tokens, out.restored_by, out.snapshot_tier
+
+
+def test_replay_bound_of_the_test_model():
+    assert engine().replay_pages == 2
+
+
+# --- every way of restoring equals the cold run ------------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_snapshot_hit_from_each_tier(tier, tmp_path):
+    sizes = {"device": {}, "host": {"device_snapshots": 0},
+             "disk": {"device_snapshots": 0, "host_snapshots": 0, "snapshot_dir": tmp_path}}
+    eng = engine(**sizes[tier])
+    eng.generate([BASE[:450]], 2)  # snapshot at 384, its last full page boundary
+    prompt = BASE[:400] + [1, 2, 3]  # diverges mid-page 3
+    (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (384, 0, "snapshot", tier)
+    assert_same(hit, cold(eng, prompt))
+
+
+def test_replay_from_a_lower_snapshot():
+    """Pages filled while decoding are listed too (a chat's next turn hits them); the
+    snapshot is at the prompt's last boundary (256): 1 page is replayed up to 384."""
+    eng = engine()
+    (first,) = eng.generate([BASE[:300]], 90)
+    conversation = BASE[:300] + first.tokens
+    prompt = conversation[:384] + [7, 7]
+    (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (384, 128, "snapshot+replay", "device")
+    assert_same(hit, cold(eng, prompt))
+
+
+def test_replay_from_empty_and_recompute_below_R():
+    eng = engine(device_snapshots=0, host_snapshots=0)  # every snapshot dropped
+    eng.generate([BASE[:450]], 2)
+    prompt = BASE[:400] + [3]
+    (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (384, 256, "replay", None)
+    assert_same(hit, cold(eng, prompt))
+    short = BASE[:200] + [3]  # 1 page listed, b = 128 < R = 256: recomputed
+    (out,) = eng.generate([short], 4)
+    assert restore(out) == (0, 0, "recompute", None)
+    assert_same(out, cold(eng, short))
+    report = eng.memory_report()
+    assert report.stats["replayed_tokens"] == 256
+    assert report.snapshots["device"] == (0, 0) and report.stats["snapshots_dropped"] >= 3
+
+
+def test_hits_of_every_depth():
+    eng = engine(snapshot_every_pages=1, device_snapshots=32)  # cold runs snapshot too
+    eng.generate([BASE[:520]], 2)  # snapshots at 128, 256, 384, 512
+    for pages in (1, 2, 3, 4):
+        prompt = BASE[:pages * P + 17] + [pages]
+        (hit,) = eng.generate([prompt], 3)
+        assert restore(hit) == (pages * P, 0, "snapshot", "device")
+        assert_same(hit, cold(eng, prompt, 3))
+    # A prompt of whole pages: its last token is computed (for the first logits), so the
+    # hit stops one page short.
+    (hit,) = eng.generate([BASE[:512]], 3)
+    assert restore(hit) == (384, 0, "snapshot", "device")
+    assert_same(hit, cold(eng, BASE[:512], 3))
+
+
+# --- the stale-state class, isolation, refcounts -----------------------------------------
+
+
+def _shared_rows(eng, pages):
+    ids = np.full((GEOMETRY.max_pages_per_seq,), -1, np.int32)
+    ids[:len(pages)] = pages
+    return {k: np.asarray(v).tobytes() for k, v in pools.read_pages(eng.cache, ids).items()}
+
+
+def test_same_prefix_different_continuations_at_once_and_after():
+    """B hits A's pages and snapshot while A still runs; between steps everything no live
+    request or the index owns is NaN; the shared pages never change; then C hits after both
+    finished. Each equals its cold run."""
+    eng = engine()
+    prompt_a, prompt_b, prompt_c = (BASE[:300] + [t] * 10 for t in (1, 2, 3))
+    a = eng.add_request(prompt_a, 24)
+    while eng.status(a) != "decode":
+        eng.step()
+    b = eng.add_request(prompt_b, 24)
+    outputs, shared = {}, None
+    while a in eng.in_flight or b in eng.in_flight:
+        for out in eng.step():
+            outputs[out.request_id] = out
+        if shared is None and b in eng.in_flight and eng.status(b) != "waiting":
+            report = eng.memory_report()
+            assert report.pages_shared == 2 and report.pages_in_requests == 4  # 2 + 1 each
+            table = np.asarray(eng.cache.pages.page_table)
+            shared = [int(p) for p in table[eng.table.slot(b), :2]]
+            assert shared == [int(p) for p in table[eng.table.slot(a), :2]]
+            before = _shared_rows(eng, shared)
+        if shared is not None:
+            assert _shared_rows(eng, shared) == before
+        held = list(eng.index.pages().values())
+        eng.cache = synthetic.poison_unowned(eng.cache, held_pages=held)
+    assert restore(outputs[a])[:3] == (0, 0, "none")
+    assert restore(outputs[b]) == (256, 0, "snapshot", "device")
+    (c,) = eng.generate([prompt_c], 24)
+    assert restore(c) == (256, 0, "snapshot", "device")
+    for out, prompt in ((outputs[a], prompt_a), (outputs[b], prompt_b), (c, prompt_c)):
+        assert np.isfinite(out.logits).all()
+        assert_same(out, cold(eng, prompt, 24))
+    assert len({tuple(outputs[a].tokens), tuple(outputs[b].tokens), tuple(c.tokens)}) == 3
+    # Everything released and the index cleared: every page is free again.
+    eng.clear_prefix_cache()
+    assert (np.asarray(eng.cache.pages.refcount) == 0).all()
+    assert int(eng.cache.pages.num_free) == GEOMETRY.num_pages
+    assert eng.memory_report().pages_indexed == 0
+
+
+def test_eviction_never_frees_a_live_request_page():
+    """Finished requests fill the pool with cached pages; a long request runs while others
+    arrive, so the least recently used cached pages are evicted for them, never its own."""
+    eng = engine()
+    for i in range(4):  # 4 pages each, cached under their own salts: 16 of 24 pages
+        eng.generate([BASE[i * 10:i * 10 + 520]], 1, cache_salt=f"fill-{i}")
+    assert eng.memory_report().pages_cached_only == 16
+    long_prompt = BASE[100:700]
+    live = eng.add_request(long_prompt, 60)
+    eng.step()
+    others = [eng.add_request(BASE[50 + i:550 + i], 40) for i in range(3)]
+    outputs, own = {}, None
+    while eng.in_flight:
+        if live in eng.in_flight and eng.status(live) != "waiting":
+            table = np.asarray(eng.cache.pages.page_table)
+            row = [int(p) for p in table[eng.table.slot(live)] if p >= 0]
+            refcount = np.asarray(eng.cache.pages.refcount)
+            assert (refcount[row] >= 1).all()
+            full = eng.status(live) == "decode" and len(row) > 1
+            if full and own is None:
+                own = row[:-1]
+                before = _shared_rows(eng, own)
+            if own is not None:
+                assert row[:len(own)] == own and _shared_rows(eng, own) == before
+        for out in eng.step():
+            outputs[out.request_id] = out
+    assert eng.memory_report().stats["pages_evicted"] > 0
+    assert len(outputs) == 4  # the fourth request waited for a slot
+    assert_same(outputs[live], cold(eng, long_prompt, 60))
+    assert_same(outputs[others[2]], cold(eng, BASE[52:552], 40))
+
+
+# --- the disk tier: restarts, bad files, other fingerprints ------------------------------
+
+
+def test_a_new_engine_over_the_directory_hits(tmp_path):
+    writer = engine(device_snapshots=0, host_snapshots=0, snapshot_dir=tmp_path)
+    writer.generate([BASE[:450]], 2)
+    assert len(os.listdir(tmp_path)) == 1
+    reader = engine(snapshot_dir=tmp_path)  # another engine: its pool holds nothing
+    prompt = BASE[:400] + [9]
+    (hit,) = reader.generate([prompt], 4)
+    assert restore(hit) == (384, 0, "snapshot", "disk")
+    assert reader.memory_report().stats["pages_loaded"] == 3
+    assert_same(hit, cold(reader, prompt))
+    # Other weights: a different fingerprint never hits (and never reads the file).
+    other = engine(Decoder(CONFIG, rngs=nnx.Rngs(2), bias_scale=0.5), snapshot_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (out,) = other.generate([prompt], 4)
+    assert restore(out) == (0, 0, "none", None)
+
+
+_CHILD = """
+import json, sys
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+sys.path.insert(0, {tests!r})
+import test_engine as t
+eng = t.engine(snapshot_dir={directory!r})
+(hit,) = eng.generate([t.BASE[:400] + [9]], 4)
+print(json.dumps(dict(restore=list(t.restore(hit)), tokens=hit.tokens,
+                      logits=hit.logits.tolist())))
+"""
+
+
+def test_the_disk_tier_is_reused_by_another_process(tmp_path):
+    writer = engine(device_snapshots=0, host_snapshots=0, snapshot_dir=tmp_path)
+    writer.generate([BASE[:450]], 2)
+    script = _CHILD.format(tests=os.path.join(ROOT, "tests"), directory=str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["restore"] == [384, 0, "snapshot", "disk"]
+    want = cold(writer, BASE[:400] + [9])
+    assert got["tokens"] == want.tokens
+    np.testing.assert_allclose(np.asarray(got["logits"], np.float32), want.logits, atol=1e-5,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_bad_snapshot_file_falls_back_to_replay(tmp_path, damage):
+    eng = engine(device_snapshots=0, host_snapshots=0, snapshot_dir=tmp_path)
+    eng.generate([BASE[:450]], 2)
+    (name,) = os.listdir(tmp_path)
+    path = os.path.join(tmp_path, name)
+    raw = open(path, "rb").read()
+    raw = raw[:-100] + bytes([raw[-100] ^ 4]) + raw[-99:] if damage == "flip" else raw[:-7]
+    open(path, "wb").write(raw)
+    prompt = BASE[:400] + [4]
+    with pytest.warns(RuntimeWarning, match=rf"snapshot file {re.escape(path)} is unusable"):
+        (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (384, 256, "replay", None)
+    assert not os.path.exists(path)
+    assert_same(hit, cold(eng, prompt))
+
+
+def test_other_configs_geometries_options_and_salts_never_share_keys():
+    prompt = BASE[:300]
+    base = engine()
+    variants = [
+        engine(Decoder(ModelConfig(ATTENTION, vocab_size=41, mlp_hidden=48), rngs=nnx.Rngs(1),
+                       bias_scale=0.5)),
+        engine(Decoder(ModelConfig(v4.tiny(index_heads=16, window=32,
+                                           compress_ratios=(0, 4, 16)),
+                                   vocab_size=40, mlp_hidden=48), rngs=nnx.Rngs(1),
+                       bias_scale=0.5)),
+        Engine(DECODER, v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6,
+                                       entry_dtype="bfloat16"), prefill_chunk=CHUNK),
+        engine(options=v4.Options(query_tile=32)),
+        engine(Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.25)),
+    ]
+    prints = {base.fingerprint} | {e.fingerprint for e in variants}
+    assert len(prints) == 1 + len(variants)
+    same = Engine(Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.5), v4.CacheConfig(
+        num_pages=8, max_slots=1, max_pages_per_seq=6), prefill_chunk=32)
+    assert same.fingerprint == base.fingerprint  # pool size, slots and chunking do not matter
+    (first,) = base.generate([prompt], 1, cache_salt="tenant-a")
+    for salt in (None, "tenant-b", b"tenant-a"):
+        (out,) = base.generate([prompt[:290]], 1, cache_salt=salt)
+        assert out.cached_tokens == 0, salt
+    (out,) = base.generate([prompt[:290]], 1, cache_salt="tenant-a")
+    assert out.cached_tokens == 256
+
+
+# --- scheduling, outputs, compilation ----------------------------------------------------
+
+
+def test_one_program_serves_every_step_and_prompt_length():
+    eng = engine(token_budget=100)
+    eng.generate([BASE[:150]], 2)
+    eng.generate([BASE[:140]], 2)  # a hit: attach, restore
+    eng.clear_prefix_cache()
+    counts = lambda: (engine_module.compiled_step_programs(),  # noqa: E731
+                      *(f._cache_size() for f in (engine_module._attach,
+                                                  engine_module._restore,
+                                                  engine_module._snapshot,
+                                                  engine_module._hold, engine_module._drop)))
+    before = counts()
+    prompts = [BASE[:n] for n in (1, 63, 64, 65, 129, 300)]
+    outs = eng.generate(prompts, 5, temperature=0.7)
+    outs += eng.generate([BASE[:130] + [1], BASE[:70]], 3)  # hits
+    assert counts() == before
+    assert [len(o.tokens) for o in outs] == [5] * 6 + [3] * 2
+    assert outs[-2].cached_tokens == 128
+    # The budget: at most 100 replay + prefill tokens a step, chunks not crossing a
+    # multiple of the prefill chunk (so every page boundary ends a chunk).
+    eng2 = engine(token_budget=100)
+    ids = [eng2.add_request(BASE[:250], 1), eng2.add_request(BASE[1:251], 1)]
+    lengths = []
+    for _ in range(3):
+        eng2.step()
+        lengths.append([eng2._requests[r].length for r in ids])
+    assert lengths == [[64, 36], [128, 64], [192, 100]]
+
+
+def test_eos_abort_status_and_outputs():
+    eng = engine(keep_logits=False)
+    want = cold(eng, BASE[:90], 6).tokens
+    (out,) = eng.generate([BASE[:90]], 6, eos_id=want[2])
+    end = want.index(want[2]) + 1
+    assert out.tokens == want[:end] and out.finish_reason == "eos" and out.logits is None
+    assert eng.step() == []
+    r1 = eng.add_request(BASE[:200], 5)
+    r2 = eng.add_request(BASE[:10], 2)
+    assert eng.status(r1) == eng.status(r2) == "waiting"
+    eng.step()
+    assert eng.status(r1) == "prefill" and eng.status(r2) == "decode"
+    aborted = eng.abort(r1)
+    assert aborted.finish_reason == "aborted" and aborted.tokens == []
+    assert eng.in_flight == [r2]
+    # generate() shares steps with requests in flight; theirs come back from step().
+    eng.generate([BASE[:20]], 2)
+    done = []
+    while eng.in_flight:
+        done += eng.step()
+    done += eng.step()
+    assert [o.request_id for o in done] == [r2] and len(done[0].tokens) == 2
+    assert (np.asarray(eng.cache.pages.page_table) == -1).all()  # no slot holds a page
+    text = eng.memory_report().format()
+    assert "Prefix cache:" in text and "Snapshots: device" in text
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+def test_bad_input_raises_naming_the_argument(tmp_path):
+    eng = engine()
+    V = CONFIG.vocab_size
+    cases = [
+        (dict(prompt_ids=[]), ValueError, r"prompt_ids: expected at least one token id; got an "
+                                          r"empty sequence"),
+        (dict(prompt_ids="abc"), TypeError, r"prompt_ids: expected a 1-D sequence"),
+        (dict(prompt_ids=[1, 2.5]), TypeError, r"prompt_ids: expected integers; got \[1, 2.5\]"),
+        (dict(prompt_ids=[[1, 2]]), ValueError, r"prompt_ids: expected a 1-D array"),
+        (dict(prompt_ids=[1, V]), ValueError, rf"prompt_ids: expected values <= {V - 1}; got "
+                                              rf"\[1, {V}\]"),
+        (dict(prompt_ids=[-1]), ValueError, r"prompt_ids: expected values >= 0"),
+        (dict(max_new_tokens=0), ValueError, r"max_new_tokens: expected an integer in \[1, "),
+        (dict(max_new_tokens=2.0), TypeError, r"max_new_tokens: expected an integer; got 2.0"),
+        (dict(max_new_tokens=800), ValueError, r"max_new_tokens: expected at most 766 for a "
+                                               r"prompt of 3 tokens \(max_seq_len=768\); got "
+                                               r"800"),
+        (dict(temperature=-1.0), ValueError, r"temperature: expected a number in \[0.0, inf\]"),
+        (dict(temperature="hot"), TypeError, r"temperature: expected a real number"),
+        (dict(eos_id=V), ValueError, rf"eos_id: expected an integer in \[0, {V - 1}\]; got {V}"),
+        (dict(cache_salt=3), TypeError, r"cache_salt: expected None, a str or bytes; got int"),
+    ]
+    for change, error, message in cases:
+        args = {"prompt_ids": [1, 2, 3], "max_new_tokens": 2, **change}
+        with pytest.raises(error, match=message):
+            eng.add_request(**args)
+    assert eng.in_flight == []
+    with pytest.raises(KeyError, match=r"request_id: expected a request in flight \(\[\]\); "
+                                       r"got 7"):
+        eng.abort(7)
+    with pytest.raises(TypeError, match=r"request_id: expected an int returned by add_request"):
+        eng.status("7")
+    with pytest.raises(TypeError, match=r"prompts: expected a sequence of token-id sequences"):
+        eng.generate("abc", 2)
+    with pytest.raises(ValueError, match=r"prompts: expected at least one prompt"):
+        eng.generate([], 2)
+    with pytest.raises(ValueError, match=r"prompt_ids: expected values <= 39"):
+        eng.generate([[1], [99]], 2)
+    assert eng.in_flight == []  # all or nothing
+    small = Engine(DECODER, v4.CacheConfig(num_pages=2, max_slots=1, max_pages_per_seq=6),
+                   prefill_chunk=CHUNK)
+    with pytest.raises(PoolExhaustedError, match=r"request 0 needs 3 page\(s\)"):
+        small.add_request(BASE[:300], 1)
+
+    def build(**kwargs):
+        Engine(kwargs.pop("model", DECODER), kwargs.pop("geometry", GEOMETRY), **kwargs)
+
+    for kwargs, error, message in [
+        (dict(model="m"), TypeError, r"model: expected a v4kv_jax.nn.Decoder; got str"),
+        (dict(geometry=None), TypeError, r"geometry: expected a CacheConfig; got NoneType"),
+        (dict(prefill_chunk=48), ValueError, r"prefill_chunk: expected a divisor of "
+                                             r"page_tokens=128; got 48"),
+        (dict(prefill_chunk=0), ValueError, r"prefill_chunk: expected an integer in \[1, "),
+        (dict(token_budget=0), ValueError, r"token_budget: expected an integer in \[1, "),
+        (dict(snapshot_every_pages=0), ValueError, r"snapshot_every_pages: expected an "
+                                                   r"integer in \[1, "),
+        (dict(snapshot_every_pages=1.0), TypeError, r"snapshot_every_pages: expected an "
+                                                    r"integer; got 1.0"),
+        (dict(device_snapshots=-1), ValueError, r"device_snapshots: expected an integer in "
+                                                r"\[0, "),
+        (dict(host_snapshots=None), TypeError, r"host_snapshots: expected an integer; got None"),
+        (dict(disk_snapshots=-1), ValueError, r"disk_snapshots: expected an integer in \[0, "),
+        (dict(snapshot_dir=5), TypeError, r"snapshot_dir: expected a path .*; got int"),
+        (dict(snapshot_dir=__file__), ValueError, r"snapshot_dir: expected a directory"),
+        (dict(keep_logits=1), TypeError, r"keep_logits: expected a bool; got 1"),
+        (dict(seed="s"), TypeError, r"seed: expected an integer"),
+        (dict(options="fast"), TypeError, r"options: expected a v4kv_jax Options; got str"),
+    ]:
+        with pytest.raises(error, match=message):
+            build(**kwargs)
+
+
+def test_readme_block_runs_as_written():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("### Prefix sharing (engine)\n", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
+    scope = {"model": DECODER, "geometry": GEOMETRY}
+    exec(block, scope)  # noqa: S102 - the README's own code
+    first, second, cold_run = scope["first"], scope["second"], scope["cold"]
+    assert (second.cached_tokens, second.restored_by) == (256, "snapshot")
+    assert first.finish_reason == "length" and cold_run.cached_tokens == 0
+    np.testing.assert_array_equal(jax.device_get(scope["engine"].cache.pages.page_table), -1)
+
+
+def test_a_request_the_pool_cannot_hold_yet_waits():
+    """Admission reserves each running request's pages up to its full length: a request that
+    does not fit stays queued (nothing changes) until pages are free. Checked on the
+    admission alone (`_admit`), without running a step of this geometry."""
+    eng = Engine(DECODER, v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=6),
+                 prefill_chunk=CHUNK)
+    a = eng.add_request(BASE[:400], 100)  # 4 pages at its full length
+    b = eng.add_request(BASE[1:300], 50)  # 3 pages
+    assert eng._admit(eng._requests[a])
+    assert not eng._admit(eng._requests[b])
+    assert eng.status(b) == "waiting" and int(eng.cache.pages.num_free) == 6
+    eng.abort(a)
+    assert eng._admit(eng._requests[b])

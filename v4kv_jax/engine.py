@@ -1,0 +1,735 @@
+"""The token-aware engine: requests by token ids, continuous batching, prefix sharing.
+
+`Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
+prompt; each `step()` admits queued requests into free slots (FIFO, while the pool can hold
+each one's whole prompt and output), then runs ONE jitted program of fixed shapes:
+
+  replay   state-only rows (`Decoder.replay`): rebuild a hit's State before its boundary
+  prefill  chunk rows of `prefill_chunk` tokens, within `token_budget` tokens a step (replay
+           rows included); a chunk never crosses a multiple of `prefill_chunk`, so every page
+           boundary is the end of a chunk
+  decode   one token of every request that has finished its prompt
+
+Every phase has one row per slot (slot id -1 where a slot has nothing to do; a phase with no
+row is skipped by `lax.cond`), so every step and every prompt length runs the same compiled
+program. Finished requests come back from `step()` as `RequestOutput`s.
+
+Prefix sharing (`v4kv_jax.prefix`): every full page is listed in a `PrefixIndex` under the
+digest of its tokens' chain (namespaced by the engine's fingerprint: attention config, cache
+geometry, model config, options, weights; and by the request's `cache_salt`), and the index
+holds a reference to it (`pools.hold_pages`), so the pages of finished requests stay cached.
+A new request takes the longest chain of listed full pages of its prompt (at most the
+prompt's length - 1 tokens: the last prompt token is always computed, for the first logits)
+with `pools.attach_prefix`, then rebuilds the State at the hit boundary b:
+
+  1. a snapshot at b (device, host or disk tier) is restored (`pools.restore_state`);
+  2. else a snapshot at s < b, restored, then tokens [s, b) replayed, when b - s <= R;
+  3. else the R tokens before b are replayed from the empty State, R = num_layers * (W - 1)
+     + 1 rounded up to whole pages (exact from any State: tests/test_prefix_device.py);
+  4. else (b < R, no snapshot below b): no hit, the prompt is recomputed.
+
+A disk snapshot deeper than the index's chain (written by another engine over the same
+directory) brings its pages along: they are written into fresh pool pages and listed.
+
+When the pool cannot hold a request, least recently used pages that only the index holds are
+evicted (with the deeper links that hang on them); if that is not enough the request waits in
+the queue. A live request's pages and State are never evicted: admission reserves each
+running request's pages up to its full length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from v4kv_jax import checks, pools, prefix
+from v4kv_jax.config import CacheConfig, Options, options_or_default
+from v4kv_jax.manager import PageShortfall, PoolExhaustedError, SlotTable
+from v4kv_jax.nn.generate import sample
+from v4kv_jax.nn.model import Decoder
+from v4kv_jax.paging import pages_for
+from v4kv_jax.pools import Cache
+
+# --- the one step program -------------------------------------------------------------------------
+
+
+@struct.dataclass
+class StepBatch:
+    """The rows of one step, one per slot (slot id -1 where the slot sits the phase out).
+
+    replay_*: state-only rows, tokens i32[S, C] of positions replay_start ...; prefill_*:
+    chunk rows i32[S, C]; decode_*: i32[S, 1]; each with slot ids i32[S] and counts i32[S].
+    request: i32[S] the request number of each slot (sampling stream), draw: i32[S] the
+    index of the token it draws, temperature: f32[S].
+    """
+
+    replay_tokens: jax.Array
+    replay_slots: jax.Array
+    replay_start: jax.Array
+    replay_n: jax.Array
+    prefill_tokens: jax.Array
+    prefill_slots: jax.Array
+    prefill_n: jax.Array
+    decode_tokens: jax.Array
+    decode_slots: jax.Array
+    decode_n: jax.Array
+    request: jax.Array
+    draw: jax.Array
+    temperature: jax.Array
+
+
+def _step(graphdef, options: Options, params, cache: Cache, batch: StepBatch, key: jax.Array):
+    """(cache, next i32[S], logits f32[S, V]): replay, prefill and decode rows in that order;
+    row s's logits are those of its prefill chunk's last token or of its decode token."""
+    model = nnx.merge(graphdef, params)
+    S, V = batch.request.shape[0], model.config.vocab_size
+    rows = jnp.arange(S)
+    none = jnp.zeros((S, V), jnp.float32)
+
+    def replay(cache):
+        return model.replay(batch.replay_tokens, cache, batch.replay_slots, batch.replay_start,
+                            batch.replay_n, options=options)
+
+    cache = jax.lax.cond(jnp.any(batch.replay_n > 0), replay, lambda c: c, cache)
+
+    def prefill(cache):
+        cache, h = model.hidden(batch.prefill_tokens, cache, batch.prefill_slots,
+                                batch.prefill_n, options=options)
+        last = h[rows, jnp.clip(batch.prefill_n - 1, 0, h.shape[1] - 1)]
+        return cache, model.logits(last)
+
+    cache, prefill_logits = jax.lax.cond(jnp.any(batch.prefill_n > 0), prefill,
+                                         lambda c: (c, none), cache)
+
+    def decode(cache):
+        cache, h = model.hidden(batch.decode_tokens, cache, batch.decode_slots, batch.decode_n,
+                                options=options)
+        return cache, model.logits(h[:, 0])
+
+    cache, decode_logits = jax.lax.cond(jnp.any(batch.decode_n > 0), decode,
+                                        lambda c: (c, none), cache)
+    logits = jnp.where((batch.prefill_n > 0)[:, None], prefill_logits, decode_logits)
+    keys = jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(
+        batch.request, batch.draw)
+    nxt = jax.vmap(sample)(logits, keys, batch.temperature)
+    return cache, nxt, logits
+
+
+_step_jit = jax.jit(_step, static_argnames=("graphdef", "options"), donate_argnames=("cache",))
+_attach = jax.jit(pools.attach_prefix, donate_argnums=0)
+_restore = jax.jit(pools.restore_state, donate_argnums=0)
+_snapshot = jax.jit(pools.snapshot_state)
+_hold = jax.jit(pools.hold_pages, donate_argnums=0)
+_drop = jax.jit(pools.drop_pages, donate_argnums=0)
+_read_pages = jax.jit(pools.read_pages)
+_load_pages = jax.jit(pools.load_pages, donate_argnums=0)
+
+
+def compiled_step_programs() -> int:
+    """How many step programs the engines of this process have compiled (one per model
+    structure, geometry and options: every step and every prompt length share it)."""
+    return _step_jit._cache_size()
+
+
+# --- requests and outputs -------------------------------------------------------------------------
+
+FINISH_REASONS = ("eos", "length", "aborted")
+RESTORES = ("none", "snapshot", "snapshot+replay", "replay", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A finished request.
+
+    Attributes:
+      request_id: the id `add_request` returned.
+      prompt_ids: the prompt.
+      tokens: the generated tokens (up to and including `eos_id`).
+      finish_reason: "eos", "length" (max_new_tokens reached) or "aborted".
+      cached_tokens: prompt tokens whose pages came from the prefix cache (not computed).
+      replayed_tokens: tokens replayed (state only) to rebuild the State at the hit.
+      restored_by: how the State at the hit was rebuilt (`RESTORES`): "none" (no hit),
+        "snapshot", "snapshot+replay", "replay" (R tokens from the empty State) or
+        "recompute" (a hit below R with no snapshot: recomputed instead).
+      snapshot_tier: "device", "host" or "disk" when a snapshot was used, else None.
+      logits: f32[len(tokens), V], the logits each token was drawn from (with the engine's
+        `keep_logits`), else None.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    finish_reason: str
+    cached_tokens: int
+    replayed_tokens: int
+    restored_by: str
+    snapshot_tier: str | None
+    logits: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """An admission: hit depth in pages, how the State is rebuilt (`RESTORES`), and the
+    snapshot used with its depth in pages (None: none)."""
+
+    depth: int
+    restored_by: str
+    loaded: prefix.LoadedSnapshot | None
+    snapshot_depth: int | None
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    temperature: float
+    eos_id: int | None
+    namespace: bytes
+    tokens: list[int]
+    total_pages: int  # pages held at the full length (the last token is never appended)
+    slot: int | None = None
+    length: int = 0  # tokens in the cache
+    replay_at: int = 0
+    replay_end: int = 0
+    digests: list[bytes] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    cached: int = 0
+    replayed: int = 0
+    restored_by: str = "none"
+    snapshot_tier: str | None = None
+
+    def phase(self) -> str:
+        if self.slot is None:
+            return "waiting"
+        if self.replay_at < self.replay_end:
+            return "replay"
+        return "prefill" if self.length < len(self.prompt) else "decode"
+
+
+# --- the memory report ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineReport:
+    """The cache's `pools.MemoryReport` and what prefix sharing adds to it.
+
+    Attributes:
+      cache: the pools' report (its pages_shared counts pages with refcount > 1, the index's
+        reference included).
+      pages_in_requests: pages some live request holds.
+      pages_shared: pages two or more live requests hold (one physical copy).
+      pages_indexed: pages the prefix index lists.
+      pages_cached_only: listed pages no live request holds (evictable).
+      snapshots: tier -> (count, bytes).
+      stats: counters: requests, hits, prompt_tokens, cached_tokens, replayed_tokens,
+        recomputed_tokens (prompt tokens computed), pages_evicted, pages_loaded (from disk),
+        snapshots_taken, snapshots_dropped.
+    """
+
+    cache: pools.MemoryReport
+    pages_in_requests: int
+    pages_shared: int
+    pages_indexed: int
+    pages_cached_only: int
+    snapshots: dict[str, tuple[int, int]]
+    stats: dict[str, int]
+
+    @property
+    def cached_fraction(self) -> float:
+        """Cached / prompt tokens over every admitted request."""
+        prompt = self.stats["prompt_tokens"]
+        return self.stats["cached_tokens"] / prompt if prompt else 0.0
+
+    def format(self) -> str:
+        s = self.stats
+        tiers = ", ".join(f"{t} {n} ({b:,} B)" for t, (n, b) in self.snapshots.items())
+        return "\n".join([
+            self.cache.format(),
+            f"Prefix cache: {self.pages_indexed} pages listed, {self.pages_cached_only} held "
+            f"only by the index, {self.pages_shared} shared by live requests, "
+            f"{self.pages_in_requests} in live requests",
+            f"Snapshots: {tiers}",
+            f"Prompt tokens {s['prompt_tokens']:,}: cached {s['cached_tokens']:,} "
+            f"({100 * self.cached_fraction:.1f} %), replayed {s['replayed_tokens']:,}, "
+            f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
+            f"requests; {s['pages_evicted']} pages evicted",
+        ])
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+
+class Engine:
+    """Continuous batching with prefix sharing over one cache; see the module docstring.
+
+    Args:
+      model: the decoder (split once here: later changes to it are not seen; its weights
+        are hashed once, into the prefix keys).
+      geometry: the cache geometry (`max_slots` requests run at once).
+      prefill_chunk: tokens per prefill row and step; divides page_tokens.
+      token_budget: replay + prefill tokens per step (decode tokens come on top); default
+        max_slots * prefill_chunk.
+      snapshot_every_pages: also snapshot the State every this many pages (None: only at
+        the last full page boundary of every prompt).
+      device_snapshots, host_snapshots: sizes of the device and host snapshot tiers.
+      snapshot_dir: the disk tier's directory (None: no disk tier); an engine over a
+        directory another engine of the same fingerprint wrote hits its snapshots.
+      disk_snapshots: the disk tier's size (None: unbounded).
+      seed: the sampling seed (each request draws from its own stream, whatever the batch).
+      keep_logits: return each generated token's logits in its `RequestOutput`.
+      options: how the ops run.
+    """
+
+    def __init__(self, model: Decoder, geometry: CacheConfig, *, prefill_chunk: int = 128,
+                 token_budget: int | None = None, snapshot_every_pages: int | None = None,
+                 device_snapshots: int = 8, host_snapshots: int = 32,
+                 snapshot_dir: str | os.PathLike | None = None,
+                 disk_snapshots: int | None = None, seed: int = 0, keep_logits: bool = False,
+                 options: Options | None = None):
+        if not isinstance(model, Decoder):
+            checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
+        if not isinstance(geometry, CacheConfig):
+            checks.fail("geometry", "a CacheConfig", type(geometry).__name__, TypeError)
+        P = geometry.page_tokens
+        prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
+        if P % prefill_chunk:
+            checks.fail("prefill_chunk", f"a divisor of page_tokens={P}", prefill_chunk)
+        if token_budget is None:
+            token_budget = geometry.max_slots * prefill_chunk
+        self.token_budget = checks.integer("token_budget", token_budget, lo=1)
+        if snapshot_every_pages is not None:
+            snapshot_every_pages = checks.integer("snapshot_every_pages", snapshot_every_pages,
+                                                  lo=1)
+        if snapshot_dir is not None:
+            prefix.check_directory("snapshot_dir", snapshot_dir)
+        if not isinstance(keep_logits, bool):
+            checks.fail("keep_logits", "a bool", repr(keep_logits), TypeError)
+        self.snapshot_every_pages = snapshot_every_pages
+        self.prefill_chunk = prefill_chunk
+        self.keep_logits = keep_logits
+        self.options = options_or_default(options)
+        self.config = model.config
+        self.graphdef, self.params = nnx.split(model)
+        self.cache = pools.init_cache(model.config.attn_config, geometry)
+        self.table = SlotTable(geometry.max_slots)
+        self._key = jax.random.PRNGKey(checks.integer("seed", seed))
+        attn = model.config.attn_config
+        self.replay_pages = pages_for(attn.num_layers * (attn.window - 1) + 1, P)
+        self.fingerprint = prefix.fingerprint(
+            repr(attn), f"page_tokens={P} entry={geometry.entry_dtype} "
+            f"window={geometry.window_dtype} tail={geometry.tail_dtype}",
+            repr(model.config), repr(self.options), prefix.tree_digest(self.params))
+        self.index = prefix.PrefixIndex()
+        self.snapshots = prefix.SnapshotStore(
+            jax.eval_shape(lambda c: pools.snapshot_state(c, 0), self.cache),
+            device_snapshots=device_snapshots, host_snapshots=host_snapshots,
+            directory=snapshot_dir, disk_snapshots=disk_snapshots,
+            page_contents=self._chain_contents)
+        self._requests: dict[int, _Request] = {}
+        self._queue: list[int] = []
+        self._ids = itertools.count()
+        self._held_back: list[RequestOutput] = []
+        self.stats = dict.fromkeys(
+            ("requests", "hits", "prompt_tokens", "cached_tokens", "replayed_tokens",
+             "recomputed_tokens", "pages_evicted", "pages_loaded", "snapshots_taken"), 0)
+
+    @property
+    def geometry(self) -> CacheConfig:
+        return self.cache.geometry
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
+                    eos_id: int | None = None, cache_salt: str | bytes | None = None) -> int:
+        """Queues a request; returns its id. It is admitted by a later `step()`.
+
+        Args:
+          prompt_ids: 1-D token ids in [0, vocab_size), at least one.
+          max_new_tokens: tokens to generate (>= 1; fewer when `eos_id` comes).
+          temperature: 0 = greedy, > 0 samples from softmax(logits / temperature).
+          eos_id: a token id in [0, vocab_size) that ends the request, or None.
+          cache_salt: None, a str or bytes: the request hits only pages written under the
+            same salt.
+
+        Raises:
+          TypeError / ValueError naming the argument; ValueError when the prompt and output
+          pass the cache's max_seq_len; `PoolExhaustedError` when they need more pages than
+          the whole pool has (the request could never run).
+        """
+        V = self.config.vocab_size
+        if isinstance(prompt_ids, (str, bytes)):
+            checks.fail("prompt_ids", "a 1-D sequence of token ids", prompt_ids, TypeError)
+        prompt = checks.int_array("prompt_ids", prompt_ids, ndim=1, lo=0, hi=V - 1)
+        if not prompt.size:
+            checks.fail("prompt_ids", "at least one token id", "an empty sequence")
+        max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
+        temperature = checks.real("temperature", temperature, lo=0.0)
+        if eos_id is not None:
+            eos_id = checks.integer("eos_id", eos_id, lo=0, hi=V - 1)
+        namespace = prefix.salt_namespace(self.fingerprint, cache_salt)
+        geo = self.geometry
+        end = prompt.size + max_new_tokens - 1
+        if end > geo.max_seq_len:
+            checks.fail("max_new_tokens", f"at most {geo.max_seq_len - prompt.size + 1} for a "
+                        f"prompt of {prompt.size} tokens (max_seq_len={geo.max_seq_len})",
+                        max_new_tokens)
+        request_id = next(self._ids)
+        need = pages_for(end, geo.page_tokens)
+        if need > geo.num_pages:
+            raise PoolExhaustedError([PageShortfall(request_id, need)], geo.num_pages)
+        self._requests[request_id] = _Request(
+            request_id, prompt.astype(np.int32), max_new_tokens, temperature, eos_id, namespace,
+            prompt.astype(np.int32).tolist(), need)
+        self._queue.append(request_id)
+        return request_id
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Ends a queued or running request now; returns what it generated ("aborted")."""
+        req = self._request(request_id)
+        if req.slot is None:
+            self._queue.remove(request_id)
+        return self._finish(req, "aborted")
+
+    def status(self, request_id: int) -> str:
+        """The phase of a request in flight: "waiting" (queued), "replay", "prefill" or
+        "decode"."""
+        return self._request(request_id).phase()
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Ids of the queued and running requests."""
+        return list(self._requests)
+
+    def _request(self, request_id) -> _Request:
+        if isinstance(request_id, (bool, np.bool_)) or not isinstance(request_id, int):
+            checks.fail("request_id", "an int returned by add_request", repr(request_id),
+                        TypeError)
+        if request_id not in self._requests:
+            checks.fail("request_id", f"a request in flight ({list(self._requests)})",
+                        request_id, KeyError)
+        return self._requests[request_id]
+
+    def generate(self, prompts: Sequence, max_new_tokens: int, *, temperature: float = 0.0,
+                 eos_id: int | None = None, cache_salt: str | bytes | None = None
+                 ) -> list[RequestOutput]:
+        """Runs `prompts` to completion (steps shared with any request already in flight,
+        whose outputs come back from the next `step()`); returns their outputs in order."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
+        if not len(prompts):
+            checks.fail("prompts", "at least one prompt", "an empty sequence")
+        ids = []
+        try:
+            for p in prompts:
+                ids.append(self.add_request(p, max_new_tokens, temperature, eos_id, cache_salt))
+        except BaseException:
+            for r in ids:  # all or nothing: the prompts queued before the bad one leave
+                self.abort(r)
+            raise
+        done: dict[int, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self._step():
+                if out.request_id in ids:
+                    done[out.request_id] = out
+                else:
+                    self._held_back.append(out)
+        return [done[r] for r in ids]
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: admissions, then one program with the replay and prefill rows
+        within the token budget and one decode token of every request past its prompt.
+        Returns the requests that finished (empty when nothing is in flight)."""
+        held, self._held_back = self._held_back, []
+        return held + self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        while self._queue and self._admit(self._requests[self._queue[0]]):
+            self._queue.pop(0)
+        running = [r for r in self._requests.values() if r.slot is not None]
+        if not running:
+            if self._queue:  # cannot happen: an empty pool holds any queued request
+                raise RuntimeError(f"requests {self._queue} cannot be admitted into an idle "
+                                   "engine")
+            return []
+        S, C = self.geometry.max_slots, self.prefill_chunk
+        rows = {name: np.full((S,) + shape, fill, np.int32) for name, shape, fill in (
+            ("replay_tokens", (C,), 0), ("replay_slots", (), -1), ("replay_start", (), 0),
+            ("replay_n", (), 0), ("prefill_tokens", (C,), 0), ("prefill_slots", (), -1),
+            ("prefill_n", (), 0), ("decode_tokens", (1,), 0), ("decode_slots", (), -1),
+            ("decode_n", (), 0), ("request", (), 0), ("draw", (), 0))}
+        temperature = np.zeros((S,), np.float32)
+        budget = self.token_budget
+        work = {}
+        for req in running:
+            s, phase = req.slot, req.phase()
+            rows["request"][s], rows["draw"][s] = req.id, len(req.generated)
+            temperature[s] = req.temperature
+            if phase == "decode":
+                rows["decode_slots"][s], rows["decode_n"][s] = s, 1
+                rows["decode_tokens"][s, 0] = req.tokens[req.length]
+                work[req.id] = (phase, 1)
+                continue
+            at, end = ((req.replay_at, req.replay_end) if phase == "replay"
+                       else (req.length, len(req.prompt)))
+            n = min(C - at % C, end - at, budget)
+            if n <= 0:
+                continue
+            budget -= n
+            rows[f"{phase}_slots"][s], rows[f"{phase}_n"][s] = s, n
+            rows[f"{phase}_tokens"][s, :n] = req.tokens[at:at + n]
+            if phase == "replay":
+                rows["replay_start"][s] = at
+            work[req.id] = (phase, n)
+        batch = StepBatch(**{k: jnp.asarray(v) for k, v in rows.items()},
+                          temperature=jnp.asarray(temperature))
+        self.cache, nxt, logits = _step_jit(self.graphdef, self.options, self.params,
+                                            self.cache, batch, self._key)
+        self._raise_flags(running)
+        nxt = np.asarray(nxt)
+        logits = np.asarray(logits) if self.keep_logits else None
+        table = np.asarray(self.cache.pages.page_table)
+        finished = []
+        for req in running:
+            if req.id not in work:
+                continue
+            phase, n = work[req.id]
+            if phase == "replay":
+                req.replay_at += n
+                continue
+            req.length += n
+            self._list_pages(req, table)
+            if phase == "prefill":
+                self._maybe_snapshot(req, prompt_end=True)
+                if req.length < len(req.prompt):
+                    continue
+            else:
+                self._maybe_snapshot(req, prompt_end=False)
+            token = int(nxt[req.slot])
+            req.generated.append(token)
+            req.tokens.append(token)
+            if logits is not None:
+                req.logits.append(logits[req.slot].copy())
+            if req.eos_id is not None and token == req.eos_id:
+                finished.append(self._finish(req, "eos"))
+            elif len(req.generated) == req.max_new_tokens:
+                finished.append(self._finish(req, "length"))
+        return finished
+
+    def _raise_flags(self, running: list[_Request]) -> None:
+        """A flagged slot is a bug of the engine's admission (it reserves every page a
+        running request needs): raise the manager's error instead of going on silently."""
+        error = self.table.flag_error(self.cache, [r.id for r in running],
+                                      {r.id: r.length + 1 for r in running})
+        if error is not None:
+            raise error
+
+    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+        if req.slot is not None:
+            self.cache = self.table.release(self.cache, req.id)
+        del self._requests[req.id]
+        return RequestOutput(
+            request_id=req.id, prompt_ids=req.prompt.tolist(), tokens=list(req.generated),
+            finish_reason=reason, cached_tokens=req.cached, replayed_tokens=req.replayed,
+            restored_by=req.restored_by, snapshot_tier=req.snapshot_tier,
+            logits=np.stack(req.logits) if self.keep_logits and req.logits else (
+                np.zeros((0, self.config.vocab_size), np.float32) if self.keep_logits
+                else None))
+
+    # --- the prefix index -------------------------------------------------------------------------
+
+    def _list_pages(self, req: _Request, table: np.ndarray) -> None:
+        """Lists the request's full pages in the index (a reference each for the index)."""
+        P = self.geometry.page_tokens
+        full = req.length // P
+        if full <= len(req.digests) and all(d in self.index for d in req.digests):
+            return
+        req.digests += prefix.chain_digests(req.tokens[:full * P], P, req.namespace,
+                                            first=len(req.digests),
+                                            previous=req.digests[-1] if req.digests else b"")
+        new = []
+        for j, digest in enumerate(req.digests[:full]):
+            if self.index.add(digest, req.digests[j - 1] if j else None,
+                              int(table[req.slot, j])):
+                new.append(int(table[req.slot, j]))
+        if new:
+            self.cache = _hold(self.cache, self._padded(new))
+
+    def _padded(self, page_ids: list[int]) -> jax.Array:
+        ids = np.full((self.geometry.num_pages,), -1, np.int32)
+        ids[:len(page_ids)] = page_ids
+        return jnp.asarray(ids)
+
+    def _evict(self, n_pages: int, keep: frozenset) -> None:
+        refcount = np.asarray(self.cache.pages.refcount)
+        dropped = self.index.evict(n_pages, refcount, keep)
+        if dropped:
+            self.stats["pages_evicted"] += sum(1 for p in dropped if refcount[p] == 1)
+            self.cache = _drop(self.cache, self._padded(dropped))
+
+    def clear_prefix_cache(self, *, disk: bool = False) -> None:
+        """Drops every listed page (the index's references) and the device and host
+        snapshots (with `disk`, the snapshot files too). Pages live requests hold stay."""
+        pages = self.index.clear()
+        if pages:
+            self.cache = _drop(self.cache, self._padded(pages))
+        self.snapshots.clear(disk=disk)
+
+    # --- snapshots --------------------------------------------------------------------------------
+
+    def _maybe_snapshot(self, req: _Request, *, prompt_end: bool) -> None:
+        P = self.geometry.page_tokens
+        b = req.length
+        if b % P or not b:
+            return
+        k = b // P
+        last_of_prompt = prompt_end and k == len(req.prompt) // P
+        every = self.snapshot_every_pages is not None and k % self.snapshot_every_pages == 0
+        if not (last_of_prompt or every):
+            return
+        record = prefix.SnapshotRecord(req.digests[k - 1], b, tuple(req.digests[:k]))
+        if self.snapshots.tier_of(record.key) is None:
+            self.stats["snapshots_taken"] += 1
+        self.snapshots.put(record, _snapshot(self.cache, jnp.int32(req.slot)))
+
+    def _chain_contents(self, record: prefix.SnapshotRecord) -> dict | None:
+        """The Classical contents of a snapshot's chain pages, while the index lists them."""
+        if not all(d in self.index for d in record.chain):
+            return None
+        ids = np.full((self.geometry.max_pages_per_seq,), -1, np.int32)
+        ids[:len(record.chain)] = [self.index.page(d) for d in record.chain]
+        contents = _read_pages(self.cache, jnp.asarray(ids))
+        return {k: np.asarray(v)[:, :len(record.chain)] for k, v in contents.items()}
+
+    # --- admission --------------------------------------------------------------------------------
+
+    def _admit(self, req: _Request) -> bool:
+        """Admits `req` into a free slot with its prefix hit, if the pool can hold it (after
+        evicting what it needs); False (nothing changed) otherwise."""
+        if len(self.table) == self.geometry.max_slots:
+            return False
+        P = self.geometry.page_tokens
+        digests = prefix.chain_digests(req.prompt[:(len(req.prompt) - 1) // P * P], P,
+                                       req.namespace)
+        plan = self._plan(req, digests, disk=True)
+        if plan is None:
+            return False
+        self.cache, req.slot = self.table.admit(self.cache, req.id)
+        if plan.loaded is not None and plan.loaded.pages is not None:
+            memory = len(self.index.match(digests[:plan.depth]))
+            if memory < plan.depth:
+                self._load(digests, memory, plan.loaded)
+        pages = self.index.match(digests[:plan.depth])
+        if plan.depth:
+            ids = np.full((self.geometry.max_pages_per_seq,), -1, np.int32)
+            ids[:plan.depth] = pages
+            self.cache = _attach(self.cache, jnp.int32(req.slot), jnp.asarray(ids),
+                                 jnp.int32(plan.depth))
+        b = plan.depth * P
+        req.length = req.cached = b
+        req.digests = list(digests[:plan.depth])
+        req.restored_by = plan.restored_by
+        if plan.loaded is not None:
+            state = plan.loaded.state
+            if plan.snapshot_depth != plan.depth:
+                state = state.replace(length=np.int32(b))
+            self.cache = _restore(self.cache, jnp.int32(req.slot), state)
+            req.snapshot_tier = plan.loaded.tier
+            req.replay_at, req.replay_end = plan.snapshot_depth * P, b
+        elif plan.depth:
+            req.replay_at, req.replay_end = b - self.replay_pages * P, b
+        req.replayed = req.replay_end - req.replay_at
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(req.prompt)
+        self.stats["cached_tokens"] += b
+        self.stats["replayed_tokens"] += req.replayed
+        self.stats["recomputed_tokens"] += len(req.prompt) - b
+        self.stats["hits"] += bool(plan.depth)
+        return True
+
+    def _plan(self, req: _Request, digests: list[bytes], *, disk: bool) -> _Plan | None:
+        """How `req` is admitted: the hit and how its State is rebuilt, with the pages it
+        needs made free (by eviction); None when the pool cannot hold it now. `disk`: a disk
+        snapshot deeper than the index's chain may bring its pages."""
+        memory = len(self.index.match(digests))
+        snap_depth = None
+        for j in range(len(digests), 0, -1):
+            tier = self.snapshots.tier_of(digests[j - 1])
+            if tier is not None and (j <= memory or (disk and tier == "disk")):
+                snap_depth = j
+                break
+        depth, restored_by = memory, "none"
+        if snap_depth is not None and snap_depth >= memory:
+            depth, restored_by = snap_depth, "snapshot"
+        elif snap_depth is not None and (memory - snap_depth <= self.replay_pages
+                                         or memory < self.replay_pages):
+            restored_by = "snapshot+replay"
+        elif memory >= self.replay_pages:
+            snap_depth, restored_by = None, "replay" if memory else "none"
+        else:
+            snap_depth, depth, restored_by = None, 0, "recompute" if memory else "none"
+        loaded_pages = depth - memory
+        # Room: every running request's pages up to its full length, then this one's.
+        P = self.geometry.page_tokens
+        outstanding = sum(r.total_pages - pages_for(r.length, P)
+                          for r in self._requests.values() if r.slot is not None)
+        need = outstanding + req.total_pages - depth + loaded_pages
+        keep = frozenset(digests[:min(depth, memory)])
+        refcount = np.asarray(self.cache.pages.refcount)
+        free = int(self.cache.pages.num_free)
+        if free + self.index.evictable(refcount, keep) < need:
+            return self._plan(req, digests, disk=False) if loaded_pages else None
+        if free < need:
+            self._evict(need - free, keep)
+        if snap_depth is None:
+            return _Plan(depth, restored_by, None, None)
+        loaded = self.snapshots.get(digests[snap_depth - 1])
+        if loaded is None:  # a bad file, reported and deleted: plan without it
+            return self._plan(req, digests, disk=disk)
+        return _Plan(depth, restored_by, loaded, snap_depth)
+
+    def _load(self, digests: list[bytes], memory: int, loaded: prefix.LoadedSnapshot) -> None:
+        """Writes a disk snapshot's pages past the index's chain into fresh pages, listed."""
+        depth = len(loaded.record.chain)
+        M = self.geometry.max_pages_per_seq
+        contents = {}
+        for name, x in loaded.pages.items():
+            padded = np.zeros((x.shape[0], M) + x.shape[2:], x.dtype)
+            padded[:, :depth - memory] = x[:, memory:depth]
+            contents[name] = jnp.asarray(padded)
+        self.cache, ids = _load_pages(self.cache, contents, jnp.int32(depth - memory))
+        ids = np.asarray(ids)
+        for j in range(memory, depth):
+            self.index.add(digests[j], digests[j - 1] if j else None, int(ids[j - memory]))
+        self.stats["pages_loaded"] += depth - memory
+
+    # --- reports ----------------------------------------------------------------------------------
+
+    def memory_report(self) -> EngineReport:
+        table = np.asarray(self.cache.pages.page_table)
+        holders = np.bincount(table[table >= 0], minlength=self.geometry.num_pages)
+        listed = set(self.index.pages().values())
+        return EngineReport(
+            cache=pools.memory_report(self.cache),
+            pages_in_requests=int(np.sum(holders > 0)),
+            pages_shared=int(np.sum(holders > 1)),
+            pages_indexed=len(listed),
+            pages_cached_only=sum(1 for p in listed if holders[p] == 0),
+            snapshots={t: (self.snapshots.count(t), self.snapshots.nbytes(t))
+                       for t in prefix.TIERS},
+            stats={**self.stats, "snapshots_dropped": self.snapshots.dropped},
+        )
+
+
+__all__ = ["FINISH_REASONS", "RESTORES", "Engine", "EngineReport", "RequestOutput", "StepBatch",
+           "compiled_step_programs"]

@@ -1,0 +1,482 @@
+"""Prefix sharing, host side and model-free: the keys of full pages, the index that finds them,
+and the boundary snapshots of the State in three tiers.
+
+  chain_digests   the key of each full page of a token sequence: a hash chain over its
+                  P-token blocks, in a namespace of the engine's fingerprint (attention
+                  config, cache geometry, weights, ...) and the request's cache salt
+  PrefixIndex     digest -> the pool page holding those tokens' entries; the longest chain
+                  of a sequence's digests is a hit (per page, any length); LRU eviction of
+                  the pages only the index holds, with every deeper link that hangs on them
+  SnapshotStore   digest of the page before a boundary -> the State at that boundary
+                  (`pools.StateSnapshot`): a bounded device tier, demoted by LRU to a bounded
+                  host tier (numpy) and to a directory (one checksummed file per snapshot,
+                  with the contents of its chain's pages, so that another process hits)
+
+A digest names a whole prefix: equal digests mean equal token ids in every block before it,
+under the same fingerprint and salt (sha256; Python's hash() is never used).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from v4kv_jax import checks
+from v4kv_jax.pools import StateSnapshot
+
+_FORMAT = b"V4KV-SNAPSHOT-1\n"
+_SUFFIX = ".v4snap"
+TIERS = ("device", "host", "disk")
+
+
+# --- keys -----------------------------------------------------------------------------------------
+
+
+def fingerprint(*parts: bytes | str) -> bytes:
+    """sha256 of `parts` (each length-prefixed, so no two part lists collide)."""
+    h = hashlib.sha256(b"v4kv-prefix-fingerprint-1")
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else bytes(part)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+def tree_digest(tree) -> bytes:
+    """sha256 of every array of a pytree: its path, dtype, shape and bytes (e.g. the weights
+    of a model, hashed once)."""
+    h = hashlib.sha256(b"v4kv-tree-1")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        x = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(path)}|{x.dtype}|{x.shape}|".encode())
+        h.update(np.ascontiguousarray(x).tobytes())
+    return h.digest()
+
+
+def salt_namespace(engine_fingerprint: bytes, cache_salt: str | bytes | None) -> bytes:
+    """The namespace of one request's keys: the engine's fingerprint and its cache salt (None,
+    a str and bytes of the same text are three different salts)."""
+    if cache_salt is None:
+        tag = b"\x00"
+    elif isinstance(cache_salt, str):
+        tag = b"\x01" + cache_salt.encode()
+    elif isinstance(cache_salt, bytes):
+        tag = b"\x02" + cache_salt
+    else:
+        checks.fail("cache_salt", "None, a str or bytes", type(cache_salt).__name__, TypeError)
+    return fingerprint(engine_fingerprint, tag)
+
+
+def chain_digests(tokens, page_tokens: int, namespace: bytes, *, first: int = 0,
+                  previous: bytes = b"") -> list[bytes]:
+    """The digests of the full pages first, first + 1, ... of `tokens` (a hash chain: digest j
+    covers every token of pages 0..j). `previous` is the digest of page first - 1 (b"" for
+    first = 0); tokens past the last full page are not hashed."""
+    ids = np.asarray(tokens, np.int64)
+    out = []
+    for j in range(first, len(ids) // page_tokens):
+        block = ids[j * page_tokens:(j + 1) * page_tokens].astype("<i4")
+        previous = hashlib.sha256(namespace + previous + block.tobytes()).digest()
+        out.append(previous)
+    return out
+
+
+# --- the index ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class IndexEntry:
+    page: int
+    parent: bytes | None
+    depth: int  # the page's position in its sequence (0 = the first page)
+    last_used: int
+    children: set[bytes] = dataclasses.field(default_factory=set)
+
+
+class PrefixIndex:
+    """digest -> the page that holds those tokens' entries, for full pages only.
+
+    The index holds one pool reference per page it lists (the caller takes it with
+    `pools.hold_pages` when `add` returns True, and gives back the pages `evict` and `clear`
+    return). Every listed page's parent is listed, so each listed page is reachable by a
+    lookup from the first page of its sequence.
+    """
+
+    def __init__(self):
+        self._entries: dict[bytes, IndexEntry] = {}
+        self._clock = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._entries
+
+    def page(self, digest: bytes) -> int:
+        return self._entries[digest].page
+
+    def pages(self) -> dict[bytes, int]:
+        """digest -> page of every listed page."""
+        return {d: e.page for d, e in self._entries.items()}
+
+    def _touch(self, digest: bytes) -> None:
+        self._clock += 1
+        self._entries[digest].last_used = self._clock
+
+    def match(self, digests: Sequence[bytes]) -> list[int]:
+        """The pages of the longest prefix of `digests` that the index lists (any length,
+        none included); marks them used now."""
+        pages = []
+        for d in digests:
+            if d not in self._entries:
+                break
+            self._touch(d)
+            pages.append(self._entries[d].page)
+        return pages
+
+    def add(self, digest: bytes, parent: bytes | None, page: int) -> bool:
+        """Lists `page` as the page of `digest` (a full page whose previous page is `parent`,
+        None for a first page); True when it is new (take a reference for the index), False
+        when the digest was listed already (then only its use is recorded)."""
+        if digest in self._entries:
+            self._touch(digest)
+            return False
+        if parent is not None and parent not in self._entries:
+            raise ValueError(f"parent {parent.hex()[:12]} of {digest.hex()[:12]} is not "
+                             "listed: a page is listed only after the page before it")
+        depth = 0 if parent is None else self._entries[parent].depth + 1
+        self._entries[digest] = IndexEntry(page, parent, depth, 0)
+        if parent is not None:
+            self._entries[parent].children.add(digest)
+        self._touch(digest)
+        return True
+
+    def _remove(self, digest: bytes) -> list[int]:
+        """Drops `digest` and every deeper link hanging on it; returns their pages."""
+        entry = self._entries.pop(digest)
+        if entry.parent is not None and entry.parent in self._entries:
+            self._entries[entry.parent].children.discard(digest)
+        pages = [entry.page]
+        for child in list(entry.children):
+            pages += self._remove(child)
+        return pages
+
+    def evictable(self, refcount: np.ndarray, keep: frozenset = frozenset()) -> int:
+        """Pages that `evict` could free: listed pages no one but the index holds, outside
+        `keep`."""
+        return sum(1 for d, e in self._entries.items() if refcount[e.page] == 1 and d not in keep)
+
+    def evict(self, n_pages: int, refcount: np.ndarray, keep: frozenset = frozenset()
+              ) -> list[int]:
+        """Drops least-recently-used links whose page no one but the index holds (refcount
+        1), each with the deeper links hanging on it, until `n_pages` pages would be freed or
+        none is left; links in `keep` (and so their ancestors' chains) stay. Returns every
+        dropped link's page (give the index's references back: a page a live request holds
+        loses only that reference and stays)."""
+        dropped, freed = [], 0
+        while freed < n_pages:
+            idle = [(e.last_used, d) for d, e in self._entries.items()
+                    if refcount[e.page] == 1 and d not in keep]
+            if not idle:
+                break
+            pages = self._remove(min(idle)[1])
+            freed += sum(1 for p in pages if refcount[p] == 1)
+            dropped += pages
+        return dropped
+
+    def clear(self) -> list[int]:
+        """Drops every link; returns their pages."""
+        pages = [e.page for e in self._entries.values()]
+        self._entries.clear()
+        return pages
+
+
+# --- boundary snapshots ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotRecord:
+    """What a snapshot is of: the State after `length` tokens (a page boundary), keyed by the
+    digest of the page before it; `chain` is the digests of every page up to it (the last one
+    is `key`)."""
+
+    key: bytes
+    length: int
+    chain: tuple[bytes, ...]
+
+
+@dataclasses.dataclass
+class LoadedSnapshot:
+    """A snapshot found in a tier: the State (jax arrays from the device tier, numpy from the
+    host and disk tiers); from the disk tier also the Classical contents of its chain's
+    pages (compressor name -> [n_kind_layers, pages, P // m, width], as `pools.read_pages`
+    returns them)."""
+
+    record: SnapshotRecord
+    state: StateSnapshot
+    tier: str
+    pages: dict[str, np.ndarray] | None = None
+
+
+def check_directory(name: str, directory) -> None:
+    """A path (str or os.PathLike) to a directory or to nothing yet (one is made there)."""
+    if not isinstance(directory, (str, os.PathLike)):
+        checks.fail(name, "a path (str or os.PathLike) or None", type(directory).__name__,
+                    TypeError)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        checks.fail(name, "a directory (or a path to create one at)",
+                    f"{os.fspath(directory)!r}, which is a file")
+
+
+def _nbytes(snapshot: StateSnapshot) -> int:
+    return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+                   for x in jax.tree.leaves(snapshot)))
+
+
+class SnapshotStore:
+    """Boundary snapshots in three tiers, each an LRU: device (up to `device_snapshots`), host
+    numpy (up to `host_snapshots`), and files in `directory` (up to `disk_snapshots`; None =
+    no bound). A snapshot is put on the device tier; the least recently used one of a full
+    tier moves down a tier (to disk only when `page_contents` can read its chain's pages),
+    and one falling off the last tier is dropped.
+
+    A file is written to a temporary name in the same directory, flushed, fsync'd and renamed
+    (`os.replace`), so a reader never sees half a file; it holds a sha256 of its payload. A
+    file that is truncated, corrupt, of another format, or whose arrays do not fit the
+    snapshot structure is reported with `warnings.warn` naming it, deleted, and never used.
+
+    Args:
+      template: a `StateSnapshot` of the cache (arrays or `jax.ShapeDtypeStruct`s): the
+        structure, shapes and dtypes every snapshot must have.
+      device_snapshots, host_snapshots: tier sizes (>= 0).
+      directory: the disk tier's folder (created if missing), or None for no disk tier.
+        Files already there are found by name and checked when read.
+      disk_snapshots: disk tier size (>= 0), or None.
+      page_contents: record -> the Classical contents of the record's chain pages (numpy,
+        as `LoadedSnapshot.pages`), or None when they are no longer in the pool.
+    """
+
+    def __init__(self, template: StateSnapshot, *, device_snapshots: int, host_snapshots: int,
+                 directory: str | os.PathLike | None = None, disk_snapshots: int | None = None,
+                 page_contents: Callable[[SnapshotRecord], dict | None] | None = None):
+        self.device_snapshots = checks.integer("device_snapshots", device_snapshots, lo=0)
+        self.host_snapshots = checks.integer("host_snapshots", host_snapshots, lo=0)
+        if disk_snapshots is not None:
+            disk_snapshots = checks.integer("disk_snapshots", disk_snapshots, lo=0)
+        self.disk_snapshots = disk_snapshots
+        self.directory = None
+        if directory is not None:
+            check_directory("directory", directory)
+            os.makedirs(directory, exist_ok=True)
+            self.directory = os.fspath(directory)
+        self._structure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                       template)
+        self._page_contents = page_contents
+        self._tiers: dict[str, collections.OrderedDict] = {
+            t: collections.OrderedDict() for t in TIERS}
+        self._bytes = {t: 0 for t in TIERS}
+        self.dropped = 0
+        if self.directory is not None:
+            found = []
+            for name in os.listdir(self.directory):
+                path = os.path.join(self.directory, name)
+                if name.endswith(_SUFFIX) and not name.startswith("."):
+                    try:
+                        key = bytes.fromhex(name[:-len(_SUFFIX)])
+                    except ValueError:
+                        continue
+                    found.append((os.path.getmtime(path), key, os.path.getsize(path)))
+            for _, key, size in sorted(found):
+                self._tiers["disk"][key] = size
+                self._bytes["disk"] += size
+
+    # --- queries ----------------------------------------------------------------------------------
+
+    def tier_of(self, key: bytes) -> str | None:
+        """The tier holding `key`, or None."""
+        return next((t for t in TIERS if key in self._tiers[t]), None)
+
+    def count(self, tier: str) -> int:
+        return len(self._tiers[tier])
+
+    def nbytes(self, tier: str) -> int:
+        """Bytes the tier holds (disk: file sizes)."""
+        return self._bytes[tier]
+
+    # --- put and get ------------------------------------------------------------------------------
+
+    def put(self, record: SnapshotRecord, state: StateSnapshot) -> None:
+        """Keeps `state` (the State after record.length tokens) on the device tier (or the
+        first tier with room for one), demoting least recently used ones; a key held already
+        is only marked used."""
+        tier = self.tier_of(record.key)
+        if tier is not None:
+            if tier != "disk":
+                self._tiers[tier].move_to_end(record.key)
+            return
+        self._insert("device", record, state)
+
+    def get(self, key: bytes) -> LoadedSnapshot | None:
+        """The snapshot of `key` from whichever tier holds it (marked used there), or None
+        (also for a bad file, which is reported and deleted)."""
+        tier = self.tier_of(key)
+        if tier is None:
+            return None
+        if tier != "disk":
+            self._tiers[tier].move_to_end(key)
+            record, state = self._tiers[tier][key]
+            return LoadedSnapshot(record, state, tier)
+        loaded = self._read(key)
+        if loaded is None:
+            self._forget_file(key)
+            return None
+        self._tiers["disk"].move_to_end(key)
+        os.utime(self._path(key))
+        return loaded
+
+    def clear(self, *, disk: bool = False) -> None:
+        """Drops the device and host tiers (and with `disk`, deletes the files)."""
+        for tier in ("device", "host"):
+            self._tiers[tier].clear()
+            self._bytes[tier] = 0
+        if disk:
+            for key in list(self._tiers["disk"]):
+                self._forget_file(key)
+
+    def _limit(self, tier: str) -> int | None:
+        return {"device": self.device_snapshots, "host": self.host_snapshots,
+                "disk": self.disk_snapshots}[tier]
+
+    def _insert(self, tier: str, record: SnapshotRecord, state: StateSnapshot) -> None:
+        if tier == "disk":
+            if self.directory is None or self._page_contents is None:
+                self.dropped += 1
+                return
+            pages = self._page_contents(record)
+            if pages is None:  # its chain's pages left the pool: nothing to restore it with
+                self.dropped += 1
+                return
+            if self.disk_snapshots is not None and self.disk_snapshots == 0:
+                self.dropped += 1
+                return
+            self._write(record, state, pages)
+            while (self.disk_snapshots is not None
+                   and len(self._tiers["disk"]) > self.disk_snapshots):
+                self._forget_file(next(iter(self._tiers["disk"])))
+                self.dropped += 1
+            return
+        limit = self._limit(tier)
+        below = TIERS[TIERS.index(tier) + 1]
+        if limit == 0:
+            self._insert(below, record, state)
+            return
+        if tier == "host":
+            state = jax.tree.map(np.asarray, state)
+        self._tiers[tier][record.key] = (record, state)
+        self._bytes[tier] += _nbytes(state)
+        while len(self._tiers[tier]) > limit:
+            _, (old_record, old_state) = self._tiers[tier].popitem(last=False)
+            self._bytes[tier] -= _nbytes(old_state)
+            self._insert(below, old_record, old_state)
+
+    # --- files ------------------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.directory, key.hex() + _SUFFIX)
+
+    def _forget_file(self, key: bytes) -> None:
+        self._bytes["disk"] -= self._tiers["disk"].pop(key, 0)
+        try:
+            os.remove(self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def _write(self, record: SnapshotRecord, state: StateSnapshot, pages: dict) -> None:
+        arrays = {f"state{jax.tree_util.keystr(p)}": np.asarray(x)
+                  for p, x in jax.tree_util.tree_leaves_with_path(state)}
+        arrays.update({f"pages[{name!r}]": np.asarray(x) for name, x in pages.items()})
+        meta, blobs, offset = [], [], 0
+        for name, x in arrays.items():
+            data = np.ascontiguousarray(x).tobytes()
+            meta.append({"name": name, "dtype": str(x.dtype), "shape": list(x.shape),
+                         "offset": offset, "nbytes": len(data)})
+            blobs.append(data)
+            offset += len(data)
+        header = json.dumps({"key": record.key.hex(), "length": record.length,
+                             "chain": [d.hex() for d in record.chain],
+                             "arrays": meta}).encode()
+        payload = len(header).to_bytes(8, "little") + header + b"".join(blobs)
+        digest = hashlib.sha256(payload).hexdigest().encode()
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{record.key.hex()[:16]}.",
+                                   suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_FORMAT + digest + b"\n" + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(record.key))
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        size = os.path.getsize(self._path(record.key))
+        self._tiers["disk"][record.key] = size
+        self._bytes["disk"] += size
+
+    def _read(self, key: bytes) -> LoadedSnapshot | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+            return self._parse(key, raw)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warnings.warn(f"snapshot file {path} is unusable ({e}); deleted, the State is "
+                          "rebuilt another way", RuntimeWarning, stacklevel=3)
+            return None
+
+    def _parse(self, key: bytes, raw: bytes) -> LoadedSnapshot:
+        head = len(_FORMAT) + 65
+        if len(raw) < head + 8 or not raw.startswith(_FORMAT):
+            raise ValueError(f"not a snapshot file or truncated ({len(raw)} bytes)")
+        digest, payload = raw[len(_FORMAT):head - 1], raw[head:]
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            raise ValueError("checksum mismatch: truncated or corrupt")
+        n = int.from_bytes(payload[:8], "little")
+        header = json.loads(payload[8:8 + n])
+        if header["key"] != key.hex():
+            raise ValueError(f"holds key {header['key'][:12]}..., not its name's")
+        data = memoryview(payload)[8 + n:]
+        arrays = {}
+        for m in header["arrays"]:
+            dtype = np.dtype(jax.numpy.dtype(m["dtype"]))
+            chunk = data[m["offset"]:m["offset"] + m["nbytes"]]
+            arrays[m["name"]] = np.frombuffer(chunk, dtype).reshape(m["shape"]).copy()
+        leaves = []
+        for p, want in jax.tree_util.tree_leaves_with_path(self._structure):
+            x = arrays.pop(f"state{jax.tree_util.keystr(p)}")
+            if x.shape != want.shape or x.dtype != np.dtype(want.dtype):
+                raise ValueError(f"state{jax.tree_util.keystr(p)} is {x.dtype}{list(x.shape)},"
+                                 f" not {np.dtype(want.dtype)}{list(want.shape)}")
+            leaves.append(x)
+        state = jax.tree.unflatten(jax.tree.structure(self._structure), leaves)
+        pages = {k[len("pages['"):-len("']")]: v for k, v in arrays.items()}
+        chain = tuple(bytes.fromhex(d) for d in header["chain"])
+        if not chain or chain[-1] != key or any(x.shape[1] != len(chain)
+                                                for x in pages.values()):
+            raise ValueError("its chain does not end at its key or does not match its pages")
+        return LoadedSnapshot(SnapshotRecord(key, int(header["length"]), chain), state, "disk",
+                              pages)
+
+
+__all__ = ["TIERS", "IndexEntry", "LoadedSnapshot", "PrefixIndex", "SnapshotRecord",
+           "SnapshotStore", "chain_digests", "check_directory", "fingerprint", "salt_namespace",
+           "tree_digest"]
