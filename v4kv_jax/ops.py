@@ -154,6 +154,25 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
                   interpret=interpret)
 
 
+def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
+                        options: Options | None = None, *, pool: jax.Array | None,
+                        page_rows: jax.Array, layers: jax.Array, tail: pools.OnlineTail,
+                        slot_ids: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
+                        n_new: jax.Array, norm: jax.Array, implementation: str | None = None,
+                        interpret: bool | None = None, block_sizes=None
+                        ) -> tuple[jax.Array | None, pools.OnlineTail]:
+    """The HCA compressor with hca_tail="online": folds the chunk into the online tails and
+    writes the entry of every block it completes (`compressor.emit_entries_online`; layout
+    and update rule in the `pools` docstring). Returns (pool or None, `pools.OnlineTail`).
+
+    No Pallas kernel implements it yet: every implementation runs the reference.
+    """
+    del options, implementation, interpret, block_sizes
+    return compressor.emit_entries_online(
+        spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
+        slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
+
+
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
                  *, index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
                  index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
@@ -169,7 +188,11 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
       page_rows: i32[B, max_pages_per_seq].
       index_q: f32[B, nI, c] (RoPE per head); index_weights: f32[B, nI] raw head weights.
       q_pos, kv_end: i32[B].
+
+    The query is prepared for the keys' format first (`indexer.prepare_index_query`: for
+    fp4_index keys rotated and fake-quantised like them), for every implementation.
     """
+    index_q = indexer.prepare_index_query(geometry, index_q)
     kernel, interpret = _kernel("index_scores", model, options, implementation, interpret)
     if kernel is None:
         return indexer.index_scores(
@@ -274,6 +297,6 @@ def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, que
 
 __all__ = [
     "IMPLEMENTATIONS", "KernelUnavailableError", "decode_attention", "dense_decode_attention",
-    "emit_entries", "gpu_support_problem", "index_scores", "index_topk", "resolve", "selected",
-    "sparse_decode_attention", "uses_kernels",
+    "emit_entries", "emit_entries_online", "gpu_support_problem", "index_scores",
+    "index_topk", "resolve", "selected", "sparse_decode_attention", "uses_kernels",
 ]
