@@ -29,7 +29,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import attention, compressor, indexer, paging, pools, rope
+from v4kv_jax import attention, compressor, indexer, paging, pools, rope, storage
 from v4kv_jax.config import IMPLEMENTATIONS, AttentionConfig, CacheConfig, LayerKind, Options
 from v4kv_jax.config import options_or_default as _options
 from v4kv_jax.layout import CompressorSpec
@@ -131,6 +131,13 @@ def _kernel(op: str, model: AttentionConfig, options: Options | None, implementa
     return getattr(module, name), interpret
 
 
+def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
+    """Static format arguments of the decode attention kernels: they read the window ring and
+    the entries as stored (packed rows decoded in the kernel)."""
+    return dict(entry_format=geometry.entry_dtype, window_format=geometry.window_dtype,
+                rope_dim=model.rope_dim)
+
+
 def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
                  options: Options | None = None, *, pool: jax.Array, page_rows: jax.Array,
                  layers: jax.Array, tail_kv: jax.Array, tail_gate: jax.Array,
@@ -147,7 +154,8 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
     kernel, interpret = _kernel("emit_entries", model, options, implementation, interpret)
-    if kernel is None:
+    if kernel is None or storage.codec(model, geometry, spec.name).packed:
+        # The compressor kernels write float entries only: packed pools take the reference.
         return compressor.emit_entries(spec, model, geometry, **arrays)
     return kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
                   overlap=spec.overlap, eps=model.rms_eps, block_sizes=block_sizes,
@@ -200,7 +208,8 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
             page_rows=page_rows, index_q=index_q[:, None], index_weights=index_weights[:, None],
             q_pos=q_pos[:, None], kv_end=kv_end)[:, 0]
     return kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
-                  ratio=model.csa_ratio, block_sizes=block_sizes, interpret=interpret)
+                  ratio=model.csa_ratio, block_sizes=block_sizes, interpret=interpret,
+                  index_format=geometry.index_dtype)
 
 
 def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
@@ -229,7 +238,7 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     if kernel is None:
         return attention.sparse_decode_attention(model, geometry, _options(options), *args)
     return kernel(*args, rope.inv_frequencies(model, LayerKind.CSA), block_sizes=block_sizes,
-                  interpret=interpret)
+                  interpret=interpret, **_read_formats(model, geometry))
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
@@ -245,7 +254,7 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     if kernel is None:
         return attention.dense_decode_attention(model, geometry, _options(options), *args)
     return kernel(*args, rope.inv_frequencies(model, LayerKind.HCA), ratio=model.hca_ratio,
-                  block_sizes=block_sizes, interpret=interpret)
+                  block_sizes=block_sizes, interpret=interpret, **_read_formats(model, geometry))
 
 
 def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, queries: Queries,
