@@ -178,6 +178,12 @@ def write_entries(spec: CompressorSpec, config: AttentionConfig, geometry: Cache
     return pool.at[layers[:, None, None], page[None], row[None]].set(stored, mode="drop")
 
 
+def _rounded(x: jax.Array) -> jax.Array:
+    """x (a NaN stays NaN) through a select that no compiler pass removes, so that a
+    product is rounded to fp32 before it is added (never contracted into an FMA)."""
+    return jnp.where(x == x, x, jnp.nan)
+
+
 def touched_blocks(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens: int
                    ) -> tuple[jax.Array, jax.Array]:
     """Blocks a chunk of `tokens` tokens appended at `start` can touch, (block index
@@ -228,8 +234,13 @@ def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Arr
         fresh = (offset == 0)[..., None]
         top = jnp.maximum(mx, z)
         c, e = jnp.exp(mx - top), jnp.exp(z - top)
-        new = (jnp.where(fresh, z, top), jnp.where(fresh, 1.0, s * c + e),
-               jnp.where(fresh, a, u * c + e * a))
+        # Products rounded on their own: XLA:CPU contracts a product and a sum into an FMA
+        # in some programs and not in others (an optimization barrier does not stop it),
+        # which would make the bits depend on the chunking. A select between the product
+        # and the sum (always the product) leaves nothing to contract.
+        sc, uc, ea = (_rounded(x) for x in (s * c, u * c, e * a))
+        new = (jnp.where(fresh, z, top), jnp.where(fresh, 1.0, sc + e),
+               jnp.where(fresh, a, uc + ea))
         return tuple(jnp.where(valid, n, o) for n, o in zip(new, carry, strict=True)), None
 
     steps = min(tokens, m)

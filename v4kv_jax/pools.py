@@ -39,8 +39,12 @@ offset o = t mod m' does, in fp32:
       M <- z_t;  S <- 1;  U <- a_t
   o > 0:
       M' = max(M, z_t);  c = exp(M - M');  e = exp(z_t - M')
-      S <- S * c + e;  U <- U * c + e * a_t;  M <- M'
+      S <- (S * c) + e;  U <- (U * c) + (e * a_t);  M <- M'
 
+Each product is rounded to fp32 before the sum (no FMA contraction; the reference forces it,
+see `compressor.online_fold`), so decode and prefill give the same bits; a kernel that
+contracts differs from the reference by about an ulp per token, well within the 1e-6 of the
+entries.
 The token at o == m' - 1 completes the block: its entry is RoPE_{i m'}(RMSNorm_w(U / S)),
 the softmax pooling of the block (within 1e-6 of the raw ring's, fp32). Every chunking of
 the tokens (decode, prefill, any chunk boundaries) runs the same fold per block in the same
@@ -199,7 +203,6 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     """An empty cache: every slot free, every page free, all storage zero."""
     geometry.check_against(model)
     P, S = geometry.page_tokens, geometry.max_slots
-    window = storage.codec(model, geometry, "window")
     stored, tails = {}, {}
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
@@ -215,6 +218,7 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
                 kv=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
                 gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
             )
+    window = storage.codec(model, geometry, "window")
     return Cache(
         classical=ClassicalPool(**stored),
         pages=paging.PageState.create(geometry.num_pages, S, geometry.max_pages_per_seq),

@@ -341,7 +341,7 @@ class RowCodec:
             return encode_fp8_latent(values, self.rope_dim)
         if self.fmt == "fp4_index":
             return encode_fp4_key(values)
-        return values.astype(self.dtype)
+        return jnp.asarray(values).astype(self.dtype)
 
     def decode(self, stored: jax.Array) -> jax.Array:
         """f32 [..., width] of stored rows (fp4_index: the rotated key)."""

@@ -138,6 +138,11 @@ class SyntheticBatch:
         return h
 
 
+# One compiled program per row format (a codec run op by op compiles each op on its own).
+_encode = jax.jit(lambda codec, values: codec.encode(values), static_argnums=0)
+_filled = jax.jit(lambda codec, value: codec.filled(value), static_argnums=(0, 1))
+
+
 def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: int = 0,
                  fill_unused: float = 0.0) -> Cache:
     """A cache whose slots 0..len(lengths)-1 hold `lengths` tokens of random content.
@@ -174,10 +179,10 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
         """Random rows shaped like the stored array x, encoded by `codec` (None: x's dtype)."""
         width = x.shape[-1] if codec is None else codec.width
         values = rng.standard_normal((*x.shape[:-1], width)).astype(np.float32)
-        stored = jnp.asarray(values, x.dtype) if codec is None else codec.encode(values)
+        stored = jnp.asarray(values, x.dtype) if codec is None else _encode(codec, values)
         if unused_pages:
             fill = (jnp.asarray(fill_unused, x.dtype) if codec is None
-                    else codec.filled(fill_unused))
+                    else _filled(codec, fill_unused))
             stored = stored.at[:, used:].set(fill)
         return stored
 
@@ -266,7 +271,7 @@ def poison_unowned(cache: Cache, value: float = float("nan")) -> Cache:
     masks = owned_masks(cache)
 
     def fill(x, mask, codec=None):
-        row = jnp.asarray(value, x.dtype) if codec is None else codec.filled(value)
+        row = jnp.asarray(value, x.dtype) if codec is None else _filled(codec, value)
         return jnp.where(jnp.asarray(mask), x, row)
 
     for spec in cache.specs:
