@@ -373,3 +373,113 @@ def decode_gpu(lay: Layout, load) -> list[jax.Array]:
 
 __all__ = ["PACKED", "Layout", "check_stored", "decode_gpu", "decode_tpu", "from_planes",
            "layout", "to_planes"]
+
+
+# --- encoders (compressor kernels, TPU) -----------------------------------------------------
+
+def _parity(x: jax.Array) -> jax.Array:
+    """Parity of the set bits of non-negative int32 values below 2^16."""
+    for shift in (8, 4, 2, 1):
+        x = x ^ (x >> shift)
+    return x & 1
+
+
+def _pack_bytes(sources, fields, stored: int) -> jax.Array:
+    """int32 words [G, stored]: byte k of word w = sum_f fields[f] @ sources(k, f), where the
+    fields hold integers in [0, 256) (as f32) and each 0/1 or small-integer selection matrix
+    [width, stored] makes every product and sum exact (no lane relayout, one matmul each)."""
+    words = None
+    for k in range(4):
+        byte = None
+        for f, field in enumerate(fields):
+            select = sources(k, f)
+            if select is None:
+                continue
+            part = jnp.dot(field, select, precision=lax.Precision.HIGHEST,
+                           preferred_element_type=_F32)
+            byte = part if byte is None else byte + part
+        shifted = byte.astype(jnp.int32) << 8 * k
+        words = shifted if words is None else words | shifted
+    return words
+
+
+def _or_scale_bytes(words: jax.Array, lay: Layout, scale_bytes) -> jax.Array:
+    lane = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+    for b, byte in enumerate(scale_bytes):
+        words = words | jnp.where(lane == lay.scale_word + b // 4, byte << 8 * (b % 4), 0)
+    return words
+
+
+def _block_scales(lane, values, finite, count: int, size: int, fmax: float, floor):
+    """Per block of `size` lanes: the ue8m0 byte [G, 1] (int32) of its finite maximum, and
+    whether it holds a non-finite value [G, 1]."""
+    out = []
+    for b in range(count):
+        inside = (lane >= b * size) & (lane < (b + 1) * size)
+        amax = jnp.max(jnp.where(inside & finite, jnp.abs(values), 0.0), axis=1, keepdims=True)
+        bad = jnp.max(jnp.where(inside & ~finite, 1.0, 0.0), axis=1, keepdims=True) > 0
+        out.append((inside, scale_byte(amax, fmax, floor), bad))
+    return out
+
+
+def encode_tpu(lay: Layout, x: jax.Array) -> jax.Array:
+    """uint32 rows [G, stored_width] of f32 rows x [G, width] in natural order, exactly as
+    `storage.encode_fp8_latent` / `storage.encode_fp4_key` (which rotates first)."""
+    if not lay.packed:
+        raise ValueError(f"encode_tpu: {lay.fmt} rows are stored as they are")
+    g, width, stored = x.shape[0], lay.width, lay.stored_width
+    dim = lax.broadcasted_iota(jnp.int32, (width, stored), 0)
+    word = lax.broadcasted_iota(jnp.int32, (width, stored), 1)
+    lane = lax.broadcasted_iota(jnp.int32, (g, width), 1)
+    if lay.fmt == "fp4_index":
+        i = lax.broadcasted_iota(jnp.int32, (width, width), 0)
+        j = lax.broadcasted_iota(jnp.int32, (width, width), 1)
+        sylvester = jnp.where(_parity(i & j) == 1, -1.0, 1.0).astype(_F32)
+        x = jnp.dot(x, sylvester, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=_F32) * np.float32(width ** -0.5)
+    finite = jnp.isfinite(x)
+    if lay.fmt == "fp8_latent":
+        blocks = _block_scales(lane, x, finite, lay.blocks, FP8_BLOCK, FP8_MAX, FP8_AMAX_FLOOR)
+        scale = jnp.ones(x.shape, _F32)
+        for inside, byte, _ in blocks:
+            scale = jnp.where(inside, scale_value(byte), scale)
+        nope = lane < lay.nope
+        rope = bf16_bits(x)
+        low = jnp.where(nope, e4m3_code(x / scale), rope & 0xFF).astype(_F32)
+        high = jnp.where(nope, 0, (rope >> 8) & 0xFF).astype(_F32)
+        cw, half = lay.code_words, lay.rope_dim // 2
+
+        def sources(k, f):
+            rope_word = (word >= cw) & (word < cw + half)
+            rope_dim = lay.nope + 2 * (word - cw) + k // 2
+            if f == 0:
+                select = (word < cw) & (dim == 4 * word + k)
+                if k % 2 == 0:
+                    select = select | (rope_word & (dim == rope_dim))
+            elif k % 2 == 1 and half:
+                select = rope_word & (dim == rope_dim)
+            else:
+                return None
+            return select.astype(_F32)
+
+        words = _pack_bytes(sources, (low, high), stored)
+    else:
+        blocks = _block_scales(lane, x, finite, lay.blocks, FP4_BLOCK, FP4_MAX, FP4_AMAX_FLOOR)
+        scale, bad = jnp.ones(x.shape, _F32), jnp.zeros(x.shape, jnp.bool_)
+        for b, (inside, byte, block_bad) in enumerate(blocks):
+            byte = jnp.where(block_bad, 0xFF, byte)
+            blocks[b] = (inside, byte, block_bad)
+            scale = jnp.where(inside, scale_value(byte), scale)
+            bad = jnp.where(inside, block_bad, bad)
+        q = jnp.clip(jnp.where(bad, 0.0, x / scale), -FP4_MAX, FP4_MAX)
+        codes = jnp.where(bad, 0, e2m1_code(q)).astype(_F32)
+
+        def sources(k, f):  # byte k of word w: dims 8 w + 2 k (low nibble), 8 w + 2 k + 1
+            inside = word < lay.code_words
+            low = inside & (dim == 8 * word + 2 * k)
+            high = inside & (dim == 8 * word + 2 * k + 1)
+            return jnp.where(low, 1.0, jnp.where(high, 16.0, 0.0)).astype(_F32)
+
+        words = _pack_bytes(sources, (codes,), stored)
+    words = _or_scale_bytes(words, lay, [byte for _, byte, _ in blocks])
+    return lax.bitcast_convert_type(words, jnp.uint32)

@@ -154,12 +154,14 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
     kernel, interpret = _kernel("emit_entries", model, options, implementation, interpret)
-    if kernel is None or storage.codec(model, geometry, spec.name).packed:
-        # The compressor kernels write float entries only: packed pools take the reference.
+    codec = storage.codec(model, geometry, spec.name)
+    if kernel is None or (codec.packed and codec.fmt not in
+                          importlib.import_module(kernel.__module__).WRITES_PACKED):
+        # A kernel that cannot encode the pool's packed format leaves it to the reference.
         return compressor.emit_entries(spec, model, geometry, **arrays)
     return kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
                   overlap=spec.overlap, eps=model.rms_eps, block_sizes=block_sizes,
-                  interpret=interpret)
+                  interpret=interpret, entry_format=codec.fmt, rope_dim=codec.rope_dim)
 
 
 def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
