@@ -141,3 +141,14 @@ def test_bf16_bits_and_scale_bytes_match_storage():
                                       np.asarray(want))
     assert formats.FP8_AMAX_FLOOR == storage.AMAX_FLOOR
     assert formats.FP4_AMAX_FLOOR == storage.FP4_AMAX_FLOOR
+
+
+@pytest.mark.parametrize("fmt,width,rope_dim", ROWS)
+def test_tpu_encoder_is_the_storage_encode(fmt, width, rope_dim):
+    """The compressor's encoder (rotation included for fp4_index) on the same fp32 rows."""
+    lay = formats.layout(fmt, width, rope_dim, "tpu")
+    x = _values(40, width, seed=3)
+    got = jax.jit(lambda x: formats.encode_tpu(lay, x))(x)
+    want = (storage.encode_fp8_latent(x, rope_dim) if fmt == "fp8_latent"
+            else storage.encode_fp4_key(x))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

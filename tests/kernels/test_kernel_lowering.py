@@ -72,15 +72,19 @@ def _indexer(module, packed=False):
         ratio=4, **(dict(index_format="fp4_index") if packed else {}))
 
 
-def _compress(module, ratio, overlap):
+def _compress(module, ratio, overlap, packed=False):
     in_width = 2 * HD if overlap else HD
     ring = 2 * ratio if overlap else ratio
+    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS), U32) if packed else sds(
+        (KIND_LAYERS, PAGES, P // ratio, HD), BF16)
     return module.emit_entries, (
-        sds((KIND_LAYERS, PAGES, P // ratio, HD), BF16), ROWS, sds((KIND_LAYERS,), I32),
+        pool, ROWS, sds((KIND_LAYERS,), I32),
         sds((KIND_LAYERS, B, ring, in_width), F32), sds((KIND_LAYERS, B, ring, in_width), F32),
         sds((B,), I32), sds((KIND_LAYERS, B, T, in_width), F32),
         sds((KIND_LAYERS, B, T, in_width), F32), sds((B,), I32), sds((B,), I32),
-        sds((KIND_LAYERS, HD), F32), FREQ), dict(ratio=ratio, overlap=overlap, eps=1e-6)
+        sds((KIND_LAYERS, HD), F32), FREQ), dict(
+        ratio=ratio, overlap=overlap, eps=1e-6,
+        **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
 
 
 KERNELS = {
@@ -128,6 +132,11 @@ def _lower(fn, args, kwargs, platform):
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_tpu_kernels_lower_to_mosaic(kernel, tpu_lowering_target):
     fn, args, kwargs = KERNELS[kernel](MODULES["tpu"][kernel])
+    assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
+
+
+def test_tpu_compressor_writing_fp8_latent_lowers_to_mosaic(tpu_lowering_target):
+    fn, args, kwargs = _compress(compress_tpu, ratio=4, overlap=True, packed=True)
     assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
 
 
