@@ -7,10 +7,13 @@ at reduced widths. The dense baseline keeps one hd-vector per token per layer (M
 and attends over all of them.
 
 Roofline: bytes the step must read / read bandwidth, the bandwidth measured in the same run
-by a jitted sum over a 1 GiB array.
+by a jitted sum over a 1 GiB array. The bytes follow the storage formats (`--formats`, one
+row per context and format): "release" (fp8_latent entries and window, fp4_index indexer
+keys, online HCA tail), "float32", "bfloat16" or "float16".
 
     python benchmarks/decode.py                  # 1k, 8k, 32k, 128k; writes decode.json
     python benchmarks/decode.py --contexts 1024 8192 --batch 2
+    python benchmarks/decode.py --contexts 131072 --formats float32 release
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from measure import read_bandwidth, write_result
 
 from v4kv_jax import append, step, storage
 from v4kv_jax import config as cfg
+from v4kv_jax.config import FORMAT_SETS
 from v4kv_jax.testing import synthetic
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def bench_model(args) -> cfg.AttentionConfig:
     return cfg.flash(hidden_size=1024, num_heads=args.heads, head_dim=args.head_dim,
-                     rope_dim=args.head_dim // 4, q_lora_rank=256, o_groups=2, o_lora_rank=128,
+                     rope_dim=args.rope_dim, q_lora_rank=256, o_groups=2, o_lora_rank=128,
                      index_heads=args.index_heads, index_head_dim=args.index_head_dim,
                      index_topk=args.topk)
 
@@ -54,16 +58,16 @@ def timed(fn, *args, repeats: int):
 
 
 def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
-    """Bytes one decode step must read: every visible indexer key, the k picked C4 entries,
-    every visible C128 entry and the window, per CSA / HCA / every layer."""
-    e = storage.row_bytes(1, geometry.entry_dtype)
-    w = storage.row_bytes(1, geometry.window_dtype)
+    """Bytes one decode step must read in the geometry's storage formats: every visible
+    indexer key, the k picked C4 entries, every visible C128 entry and the window, per CSA /
+    HCA / every layer."""
+    entry, key, window = (storage.codec(model, geometry, name).row_bytes
+                          for name in ("csa", "csa_index", "window"))
     n_c4 = context // model.csa_ratio
     per_seq = (
-        model.num_layers * model.window * model.head_dim * w
-        + model.num_csa * (n_c4 * model.index_head_dim + min(model.index_topk, n_c4)
-                           * model.head_dim) * e
-        + model.num_hca * (context // model.hca_ratio) * model.head_dim * e
+        model.num_layers * model.window * window
+        + model.num_csa * (n_c4 * key + min(model.index_topk, n_c4) * entry)
+        + model.num_hca * (context // model.hca_ratio) * entry
     )
     return batch * per_seq
 
@@ -106,12 +110,12 @@ def run(args) -> dict:
     print(f"read bandwidth (jitted sum over 1 GiB): {bandwidth / 2**30:.1f} GiB/s", flush=True)
     print(HEADER, flush=True)
     rows = []
-    for context in args.contexts:
+    for context, formats in [(c, f) for c in args.contexts for f in args.formats]:
         P = 128
         pages_per_seq = -(-(context + args.steps + 1) // P)
-        geometry = cfg.CacheConfig(num_pages=args.batch * pages_per_seq + 1,
-                                   max_slots=args.batch, max_pages_per_seq=pages_per_seq,
-                                   page_tokens=P)
+        geometry = cfg.CacheConfig.with_formats(
+            formats, num_pages=args.batch * pages_per_seq + 1, max_slots=args.batch,
+            max_pages_per_seq=pages_per_seq, page_tokens=P)
         cache = synthetic.random_cache(model, geometry, [context] * args.batch, seed=context)
         data = synthetic.SyntheticBatch.draw(model, args.batch, 1, seed=1)
         vectors, queries = data.span(0, 1), data.stacked_queries(
@@ -134,7 +138,8 @@ def run(args) -> dict:
 
         dense_ms = dense_compile = None
         dense_bytes = model.num_layers * args.batch * (context + 1) * model.head_dim * 4
-        if not args.skip_dense and dense_bytes < args.dense_limit_gib * 2**30:
+        measured = formats != args.formats[0]  # the dense baseline ignores the formats
+        if not (args.skip_dense or measured) and dense_bytes < args.dense_limit_gib * 2**30:
             kc = jnp.zeros((model.num_layers, args.batch, context + 1, model.head_dim),
                            jnp.float32)
             kc = kc + jax.random.normal(jax.random.PRNGKey(0), (1, 1, 1, model.head_dim))
@@ -153,7 +158,10 @@ def run(args) -> dict:
                 dt.append(time.perf_counter() - t0)
             dense_ms = 1e3 * statistics.median(dt)
             del kc
-        row = dict(context=context, batch=args.batch, v4_ms=v4_ms, v4_compile_s=compile_s,
+        if dense_ms is None and rows and rows[-1]["context"] == context:
+            dense_ms, dense_compile = rows[-1]["dense_ms"], rows[-1]["dense_compile_s"]
+        row = dict(context=context, formats=formats, batch=args.batch, v4_ms=v4_ms,
+                   v4_compile_s=compile_s,
                    v4_bytes_read=need, roofline_ms=roofline_ms,
                    v4_over_roofline=v4_ms / roofline_ms, dense_ms=dense_ms,
                    dense_compile_s=dense_compile, dense_bytes_read=dense_bytes,
@@ -173,14 +181,15 @@ def run(args) -> dict:
     )
 
 
-HEADER = (f"{'context':>8} {'batch':>5} {'v4 ms':>8} {'roofline':>9} {'x roof':>7} "
-          f"{'dense ms':>9} {'speedup':>8} {'compile s':>9}")
+HEADER = (f"{'context':>8} {'formats':>8} {'batch':>5} {'MiB read':>9} {'v4 ms':>8} "
+          f"{'roofline':>9} {'x roof':>7} {'dense ms':>9} {'speedup':>8} {'compile s':>9}")
 
 
 def _format_row(r) -> str:
     dense = f"{r['dense_ms']:9.2f}" if r["dense_ms"] else f"{'-':>9}"
     speed = f"{r['speedup_vs_dense']:7.1f}x" if r["speedup_vs_dense"] else f"{'-':>8}"
-    return (f"{r['context']:>8} {r['batch']:>5} {r['v4_ms']:8.2f} {r['roofline_ms']:8.2f}m "
+    return (f"{r['context']:>8} {r['formats']:>8} {r['batch']:>5} "
+            f"{r['v4_bytes_read'] / 2**20:9.1f} {r['v4_ms']:8.2f} {r['roofline_ms']:8.2f}m "
             f"{r['v4_over_roofline']:6.2f}x {dense} {speed} {r['v4_compile_s']:9.1f}")
 
 
@@ -189,7 +198,12 @@ def main(argv=None):
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 32768, 131072])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--formats", nargs="+", choices=tuple(FORMAT_SETS),
+                   default=["float32", "release"],
+                   help="storage formats, one row each (CacheConfig.with_formats)")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rope-dim", type=int, default=64,
+                   help="RoPE dims (head_dim - rope_dim a multiple of 64 for fp8_latent)")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--index-heads", type=int, default=8)
     p.add_argument("--index-head-dim", type=int, default=64)

@@ -28,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -101,7 +102,7 @@ def _query_bytes(model, batch: int) -> int:  # queries in, outputs out, fp32
     return 2 * batch * model.num_heads * model.head_dim * 4
 
 
-def bench_csa(batch, context, implementation, interpret, repeats) -> list[Row]:
+def bench_csa(batch, context, implementation, interpret, repeats) -> Iterator[Row]:
     model, geometry, cache, queries = _decode_cache(LayerKind.CSA, batch, context)
     slots = jnp.arange(batch, dtype=jnp.int32)
     kv_end = jnp.full((batch,), context, jnp.int32)
@@ -138,7 +139,6 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> list[Row]:
     pick_bytes = batch * model.index_topk * (model.head_dim * 2 + 4)
     index_q = batch * model.index_heads * (model.index_head_dim + 1) * 4
     impl = ops.selected(model, None, implementation, interpret)[0]
-    out = []
     for name, fn, nbytes in (
             ("indexer scores", scores, key_bytes + index_q + batch * entries * 4),
             ("csa sparse attention", sparse,
@@ -147,11 +147,10 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> list[Row]:
              key_bytes + index_q + pick_bytes + _window_bytes(model, batch)
              + _query_bytes(model, batch))):
         first, seconds = timed(fn, (cache, queries), repeats)
-        out.append(Row(name, impl, batch, context, first, seconds, nbytes))
-    return out
+        yield Row(name, impl, batch, context, first, seconds, nbytes)
 
 
-def bench_hca(batch, context, implementation, interpret, repeats) -> list[Row]:
+def bench_hca(batch, context, implementation, interpret, repeats) -> Iterator[Row]:
     model, geometry, cache, queries = _decode_cache(LayerKind.HCA, batch, context)
     slots = jnp.arange(batch, dtype=jnp.int32)
     kv_end = jnp.full((batch,), context, jnp.int32)
@@ -166,10 +165,10 @@ def bench_hca(batch, context, implementation, interpret, repeats) -> list[Row]:
               + _window_bytes(model, batch) + _query_bytes(model, batch))
     first, seconds = timed(dense, (cache, queries), repeats)
     impl = ops.selected(model, None, implementation, interpret)[0]
-    return [Row("hca dense attention", impl, batch, context, first, seconds, nbytes)]
+    yield Row("hca dense attention", impl, batch, context, first, seconds, nbytes)
 
 
-def bench_compress(tokens, implementation, interpret, repeats) -> list[Row]:
+def bench_compress(tokens, implementation, interpret, repeats) -> Iterator[Row]:
     """Prefill of `tokens` tokens into one empty slot, CSA main compressor (the widest)."""
     model = flash_layer(LayerKind.CSA)
     spec = next(s for s in compressor_specs(model) if s.name == "csa")
@@ -197,17 +196,17 @@ def bench_compress(tokens, implementation, interpret, repeats) -> list[Row]:
     nbytes = 2 * tokens * spec.in_width * 4 + (tokens // spec.ratio) * spec.width * 2
     first, seconds = timed(emit, (jnp.copy(pools.entries(cache, "csa")), kv, gate), repeats)
     impl = ops.selected(model, None, implementation, interpret)[0]
-    return [Row("compressor prefill (csa)", impl, 1, tokens, first, seconds, nbytes)]
+    yield Row("compressor prefill (csa)", impl, 1, tokens, first, seconds, nbytes)
 
 
 HEADER = (f"{'op':<38} {'impl':<11} {'B':>3} {'context':>8} {'ms/call':>9} {'MB':>9} "
-          f"{'GB/s':>8} {'of copy':>8}")
+          f"{'GB/s':>8} {'of copy':>8} {'1st call s':>10}")
 
 
 def _format(row: Row, copy_bw: float) -> str:
     return (f"{row.op:<38} {row.implementation:<11} {row.batch:>3} {row.context:>8} "
             f"{row.seconds * 1e3:>9.3f} {row.bytes / 1e6:>9.2f} {row.bandwidth / 1e9:>8.2f} "
-            f"{row.bandwidth / copy_bw:>7.1%}")
+            f"{row.bandwidth / copy_bw:>7.1%} {row.first_s:>10.2f}")
 
 
 def main(argv=None):
@@ -220,6 +219,8 @@ def main(argv=None):
                         "kernel times)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ops", nargs="+", choices=("csa", "hca", "compress"),
+                   default=["csa", "hca", "compress"], help="which ops to time")
     p.add_argument("--csa-contexts", type=int, nargs="+")
     p.add_argument("--hca-contexts", type=int, nargs="+")
     p.add_argument("--compress-tokens", type=int, nargs="+")
@@ -243,11 +244,11 @@ def main(argv=None):
             rows.append(row)
             print(_format(row, copy_bw), flush=True)
 
-    for context in sizes["csa"]:
+    for context in sizes["csa"] if "csa" in args.ops else ():
         run(bench_csa(args.batch, context, args.implementation, args.interpret, args.repeats))
-    for context in sizes["hca"]:
+    for context in sizes["hca"] if "hca" in args.ops else ():
         run(bench_hca(args.batch, context, args.implementation, args.interpret, args.repeats))
-    for tokens in sizes["compress"]:
+    for tokens in sizes["compress"] if "compress" in args.ops else ():
         run(bench_compress(tokens, args.implementation, args.interpret, args.repeats))
 
     result = dict(

@@ -7,14 +7,76 @@ reordering: a row is visible iff its position is >= 0 and within (q_pos - W, q_p
 
 The online softmax starts from the sink (max = sink, sum = exp(sink - sink) = 1, acc = 0),
 exactly as the reference does, and every fold masks with a finite value.
+
+Keys come in planes (`pallas_kernels.formats`): the window and the entries may be stored in
+different formats, so each distinct layout is a *group* with its own query planes and its
+own accumulator planes, all sharing one running max and sum. `KeyGroups` lays the query out
+per group before the kernel and sums the groups' outputs back in natural order after it,
+then de-rotates (XLA).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.common import HIGHEST, MASK_VALUE
+from pallas_kernels import formats
+from pallas_kernels.common import HIGHEST, MASK_VALUE, rotate_lanes
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyGroups:
+    """The layouts of the window and of the entries, deduplicated (static).
+
+    Attributes:
+      layouts: one `formats.Layout` per group.
+      window, entries: the group of the window ring and of the compressed entries.
+    """
+
+    layouts: tuple[formats.Layout, ...]
+    window: int
+    entries: int
+
+    @classmethod
+    def of(cls, window: formats.Layout, entries: formats.Layout) -> KeyGroups:
+        layouts = (window,) if window == entries else (window, entries)
+        return cls(layouts, 0, layouts.index(entries))
+
+    def queries(self, q: jax.Array) -> list[jax.Array]:
+        """f32[B, H, hd] -> per group f32[B, n_planes, H, plane_width]."""
+        return [jnp.moveaxis(formats.to_planes(lay, q.astype(jnp.float32)), -2, 1)
+                for lay in self.layouts]
+
+    def output(self, outs, q_pos: jax.Array, lane_freq: jax.Array) -> jax.Array:
+        """Per group [B, n_planes, H, plane_width] normalised outputs -> f32[B, H, hd],
+        summed over groups and de-rotated by -q_pos."""
+        out = None
+        for lay, o in zip(self.layouts, outs, strict=True):
+            natural = formats.from_planes(lay, jnp.moveaxis(o, 1, -2))
+            out = natural if out is None else out + natural
+        return derotate(out, q_pos, lane_freq)
+
+    def load_queries(self, refs) -> list[list[jax.Array]]:
+        """Inside a kernel: the query planes of each group from refs [n_planes, h, pw]."""
+        return [[ref[j] for j in range(lay.n_planes)]
+                for ref, lay in zip(refs, self.layouts, strict=True)]
+
+    def zero_accs(self, heads: int):
+        return tuple(tuple(jnp.zeros((heads, lay.plane_width), jnp.float32)
+                           for _ in range(lay.n_planes)) for lay in self.layouts)
+
+
+def swap_pairs(x: jax.Array) -> jax.Array:
+    """x with lanes 2i and 2i + 1 exchanged (XLA, outside kernels)."""
+    return x.reshape(*x.shape[:-1], -1, 2)[..., ::-1].reshape(x.shape)
+
+
+def derotate(out: jax.Array, q_pos: jax.Array, lane_freq: jax.Array) -> jax.Array:
+    """De-rotates f32[B, H, d] by -q_pos (XLA epilogue of the kernels)."""
+    angle = q_pos.astype(jnp.float32)[:, None, None] * lane_freq[None]
+    return rotate_lanes(out, swap_pairs(out), angle, inverse=True)
 
 
 def ring_positions(kv_end, shape, axis: int, window: int, first_row: int = 0) -> jax.Array:
@@ -31,59 +93,73 @@ def window_visible(q_pos, kv_end, shape, axis: int, window: int, first_row: int 
     return (pos >= 0) & (pos <= q_pos) & (pos > q_pos - window)
 
 
-def fold(state, q: jax.Array, keys: jax.Array, visible: jax.Array, scale: float):
-    """Folds keys (= values) into the running (max, sum, acc).
+def fold(state, q, keys, visible: jax.Array, scale: float, group: int = 0):
+    """Folds keys (= values) of one group into the running (max, sum, accumulators).
 
     Args:
-      state: (max f32[h, 1], sum f32[h, 1], acc f32[h, d]).
-      q: f32[h, d]; keys: f32[k, d], finite (rows that are not visible must be finite too).
+      state: (max f32[h, 1], sum f32[h, 1], accs): accs per group, per plane f32[h, pw].
+      q: the group's query planes f32[h, pw]; keys: its key planes f32[k, pw], finite (rows
+        that are not visible must be finite too).
       visible: bool[1, k].
     """
-    m, denom, acc = state
-    logits = jax.lax.dot_general(q, keys, (((1,), (1,)), ((), ())), precision=HIGHEST,
-                                 preferred_element_type=jnp.float32) * scale
-    logits = jnp.where(visible, logits, MASK_VALUE)
+    m, denom, accs = state
+    logits = None
+    for qj, kj in zip(q, keys, strict=True):
+        part = jax.lax.dot_general(qj, kj, (((1,), (1,)), ((), ())), precision=HIGHEST,
+                                   preferred_element_type=jnp.float32)
+        logits = part if logits is None else logits + part
+    logits = jnp.where(visible, logits * scale, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
     correction = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(logits - m_new), 0.0)
     denom_new = denom * correction + jnp.sum(p, axis=1, keepdims=True)
-    acc_new = acc * correction + jnp.dot(p, keys, precision=HIGHEST,
-                                         preferred_element_type=jnp.float32)
-    return m_new, denom_new, acc_new
+    new_accs = []
+    for g, planes in enumerate(accs):
+        if g == group:
+            planes = tuple(a * correction + jnp.dot(p, kj, precision=HIGHEST,
+                                                    preferred_element_type=jnp.float32)
+                           for a, kj in zip(planes, keys, strict=True))
+        else:
+            planes = tuple(a * correction for a in planes)
+        new_accs.append(planes)
+    return m_new, denom_new, tuple(new_accs)
 
 
-def fold_window(state, q: jax.Array, ring: jax.Array, q_pos, kv_end, window: int, scale: float,
-                first_row: int = 0):
-    """Folds ring rows first_row.. (`ring` f32[r, d], as read) into the online softmax; rows
-    that are not visible are zeroed first (a ring row may hold anything before it is
-    written)."""
-    rows = ring.shape[0]
+def fold_window(state, q, ring, q_pos, kv_end, window: int, scale: float, first_row: int = 0,
+                group: int = 0):
+    """Folds ring rows first_row.. (`ring`: planes f32[r, pw] as decoded) into the online
+    softmax; rows that are not visible are zeroed first (a ring row may hold anything before
+    it is written)."""
+    rows = ring[0].shape[0]
     visible_rows = window_visible(q_pos, kv_end, (rows, 1), 0, window, first_row)
     visible_lanes = window_visible(q_pos, kv_end, (1, rows), 1, window, first_row)
-    return fold(state, q, jnp.where(visible_rows, ring.astype(jnp.float32), 0.0), visible_lanes,
-                scale)
+    ring = [jnp.where(visible_rows, plane, 0.0) for plane in ring]
+    return fold(state, q, ring, visible_lanes, scale, group)
 
 
-def sink_state(q: jax.Array, sink: jax.Array):
-    """The online-softmax state before any key: (max = sink, sum = 1, acc = 0); sink f32[h, 1]."""
-    return (sink.astype(jnp.float32), jnp.ones((q.shape[0], 1), jnp.float32),
-            jnp.zeros(q.shape, jnp.float32))
+def sink_state(groups: KeyGroups, sink: jax.Array):
+    """The online-softmax state before any key: (max = sink, sum = 1, accs = 0); sink
+    f32[h, 1]."""
+    heads = sink.shape[0]
+    return (sink.astype(jnp.float32), jnp.ones((heads, 1), jnp.float32),
+            groups.zero_accs(heads))
 
 
-def combine_partials(acc: jax.Array, m: jax.Array, denom: jax.Array, sink: jax.Array
-                     ) -> jax.Array:
+def combine_partials(accs, m: jax.Array, denom: jax.Array, sink: jax.Array) -> list[jax.Array]:
     """Merges split-K partial softmax states and the sink (GPU kernels, in XLA).
 
     Args:
-      acc: f32[B, S, H, d] unnormalised partial outputs; m, denom: f32[B, S, H] their max
-        and sum (an empty split has m = MASK_VALUE, denom = 0, acc = 0).
+      accs: per group f32[B, S, n_planes, H, pw] unnormalised partial outputs; m, denom:
+        f32[B, S, H] their max and sum (an empty split has m = MASK_VALUE, denom = 0,
+        acc = 0).
       sink: f32[H].
 
     Returns:
-      f32[B, H, d], normalised (not yet de-rotated).
+      Per group f32[B, n_planes, H, pw], normalised.
     """
     sink = sink.astype(jnp.float32)
     top = jnp.maximum(jnp.max(m, axis=1), sink[None, :])  # [B, H]
     scale = jnp.exp(m - top[:, None, :])  # [B, S, H]
     total = jnp.sum(scale * denom, axis=1) + jnp.exp(sink[None, :] - top)
-    return jnp.sum(scale[..., None] * acc, axis=1) / total[..., None]
+    weights = scale[:, :, None, :, None]
+    return [jnp.sum(weights * acc, axis=1) / total[:, None, :, None] for acc in accs]

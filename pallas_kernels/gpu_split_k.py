@@ -1,10 +1,10 @@
 """The split-K launch shared by the GPU decode attention kernels (CSA sparse, HCA dense).
 
 Grid (slot, head block, split): every program reads the scalars and the window and entry
-pools whole (Triton indexes them itself), its head block of queries, and writes the partial
-softmax state (acc, max, sum) of its split. XLA then merges the splits with the sink
-(`decode.combine_partials`) and de-rotates the output by -q_pos (a lane-pair exchange has
-no Triton equivalent in Pallas).
+pools whole (Triton indexes them itself), its head block of query planes, and writes the
+partial softmax state (accumulator planes, max, sum) of its split. XLA then merges the splits
+with the sink (`decode.combine_partials`), puts the planes back in natural order and
+de-rotates the output by -q_pos (a lane-pair exchange has no Triton equivalent in Pallas).
 """
 
 from __future__ import annotations
@@ -13,61 +13,107 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import decode
-from pallas_kernels.common import rotate_lanes, triton_compiler_params
+from pallas_kernels import decode, formats
+from pallas_kernels.common import MASK_VALUE, triton_compiler_params
 
 
-def swap_pairs(x: jax.Array) -> jax.Array:
-    """x with lanes 2i and 2i + 1 exchanged (XLA, outside kernels)."""
-    return x.reshape(*x.shape[:-1], -1, 2)[..., ::-1].reshape(x.shape)
+def row_loader(ref, lead: tuple, rows: tuple, whole_rows=None):
+    """`load` of `formats.decode_gpu` for rows ref[*lead, *rows] (rows: i32[n] each).
+
+    load(cols) gathers [n, len(cols)] words; load(None) reads the whole rows, as
+    `ref[*lead, *whole_rows, :]` when given (a contiguous slice), else gathered by `rows`.
+    """
+
+    def load(cols):
+        if cols is None:
+            return ref[(*lead, *(whole_rows or rows), slice(None))]
+        shape = (rows[0].shape[0], cols.shape[-1])
+        index = [jnp.broadcast_to(r[:, None], shape) for r in rows]
+        return ref[(*lead, *index, jnp.broadcast_to(cols, shape))]
+
+    return load
 
 
-def derotate(out: jax.Array, q_pos: jax.Array, lane_freq: jax.Array) -> jax.Array:
-    """De-rotates f32[B, H, d] by -q_pos (XLA epilogue of the GPU kernels)."""
-    angle = q_pos.astype(jnp.float32)[:, None, None] * lane_freq[None]
-    return rotate_lanes(out, swap_pairs(out), angle, inverse=True)
+def fold_window(state, groups: decode.KeyGroups, q, window_ref, layer, slot, q_pos, kv_end, *,
+                window: int, window_block: int, scale: float):
+    """Folds the whole ring of (layer, slot), `window_block` rows at a time (tiles of the
+    ring, not all W rows), decoded in the window group's layout."""
+    g = groups.window
+    for first in range(0, window, window_block):
+        rows = first + jnp.arange(window_block, dtype=jnp.int32)
+        load = row_loader(window_ref, (layer, slot), (rows,), (pl.ds(first, window_block),))
+        ring = formats.decode_gpu(groups.layouts[g], load)
+        state = decode.fold_window(state, q[g], ring, q_pos, kv_end, window, scale, first, g)
+    return state
 
 
-def split_k_decode(kernel, scalars, q, window, entries, sink, q_pos, lane_freq, *, heads: int,
-                   heads_per_block: int, num_splits: int, num_warps: int, num_stages: int,
-                   interpret: bool, name: str) -> jax.Array:
+def empty_state(groups: decode.KeyGroups, heads: int):
+    """The partial state of a split before any key (no sink: XLA adds it when merging)."""
+    return (jnp.full((heads, 1), MASK_VALUE, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
+            groups.zero_accs(heads))
+
+
+def write_state(state, acc_refs, m_ref, l_ref) -> None:
+    m, denom, accs = state
+    for ref, planes in zip(acc_refs, accs, strict=True):
+        for j, plane in enumerate(planes):
+            ref[j] = plane
+    m_ref[...] = m
+    l_ref[...] = denom
+
+
+def split_k_decode(kernel, scalars, groups: decode.KeyGroups, q, window, entries, sink, q_pos,
+                   lane_freq, *, heads_per_block: int, num_splits: int, num_warps: int,
+                   num_stages: int, interpret: bool, name: str) -> jax.Array:
     """Runs `kernel` over (slot, head block, split) and finishes its partial states.
 
     Args:
-      kernel: refs (*scalars, q, window, entries, acc, max, sum).
+      kernel: refs (*scalars, *query planes per group, window, entries, *accumulator planes
+        per group, max, sum).
       scalars: i32 arrays passed whole.
-      q: f32[B, padded heads, hd], the heads padded to a multiple of `heads_per_block`.
-      window, entries: the window rings and the kind's Classical array.
-      sink: f32[heads]; q_pos: i32[B]; lane_freq: f32[1, hd].
-      heads: the real head count (padding is dropped before the merge).
+      groups: the key layouts; q: f32[B, H, hd] queries.
+      window, entries: the window rings and the kind's Classical array, as stored.
+      sink: f32[H]; q_pos: i32[B]; lane_freq: f32[1, hd].
 
     Returns:
-      f32[B, heads, hd], normalised and de-rotated.
+      f32[B, H, hd], normalised and de-rotated.
     """
-    batch, padded_heads, dim = q.shape
+    batch, heads, _ = q.shape
     bh = heads_per_block
+    padded_heads = -(-heads // bh) * bh
+    queries = [jnp.pad(x, ((0, 0), (0, 0), (0, padded_heads - heads), (0, 0)))
+               for x in groups.queries(q)]
 
     def whole(x):
         return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
+    def planes_of(lay):
+        return pl.BlockSpec((None, lay.n_planes, bh, lay.plane_width),
+                            lambda b, h, s: (b, 0, h, 0))
+
+    def partial_planes(lay):
+        return pl.BlockSpec((None, None, lay.n_planes, bh, lay.plane_width),
+                            lambda b, h, s: (b, s, 0, h, 0))
+
     def partial(width):
         return pl.BlockSpec((None, None, bh, width), lambda b, h, s: (b, s, h, 0))
 
-    def partial_shape(width):
-        return jax.ShapeDtypeStruct((batch, num_splits, padded_heads, width), jnp.float32)
-
-    acc, m, denom = pl.pallas_call(
+    f32 = jnp.float32
+    outs = pl.pallas_call(
         kernel,
         grid=(batch, padded_heads // bh, num_splits),
-        in_specs=[*(whole(x) for x in scalars),
-                  pl.BlockSpec((None, bh, dim), lambda b, h, s: (b, h, 0)),
+        in_specs=[*(whole(x) for x in scalars), *(planes_of(lay) for lay in groups.layouts),
                   whole(window), whole(entries)],
-        out_specs=[partial(dim), partial(1), partial(1)],
-        out_shape=[partial_shape(dim), partial_shape(1), partial_shape(1)],
+        out_specs=[*(partial_planes(lay) for lay in groups.layouts), partial(1), partial(1)],
+        out_shape=[*(jax.ShapeDtypeStruct(
+            (batch, num_splits, lay.n_planes, padded_heads, lay.plane_width), f32)
+            for lay in groups.layouts),
+            *(jax.ShapeDtypeStruct((batch, num_splits, padded_heads, 1), f32),) * 2],
         compiler_params=triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
-    )(*scalars, q, window, entries)
-    out = decode.combine_partials(acc[:, :, :heads], m[:, :, :heads, 0],
-                                  denom[:, :, :heads, 0], sink)
-    return derotate(out, q_pos, lane_freq)
+    )(*scalars, *queries, window, entries)
+    *accs, m, denom = outs
+    merged = decode.combine_partials([a[:, :, :, :heads] for a in accs], m[:, :, :heads, 0],
+                                     denom[:, :, :heads, 0], sink)
+    return groups.output(merged, q_pos, lane_freq)

@@ -1,5 +1,5 @@
 """Pieces shared by the TPU kernels: double-buffered HBM -> VMEM copy pipelines, and the
-block specs and epilogue of the two decode attention kernels.
+block specs and output of the two decode attention kernels.
 
 A kernel reads its operand in blocks: block j is a batch of async copies (whole pages, or
 single rows) into buffer slot j % 2. `double_buffered` starts block j + 1 before it waits
@@ -12,8 +12,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-
-from pallas_kernels.common import rotate_lanes, swap_pairs_tpu
 
 
 def block_copies(copy, valid, count: int, on_skip=None):
@@ -104,21 +102,32 @@ def per_row(shape):
     return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
 
 
-def query_window_specs(heads: int, dim: int, window_len: int) -> list:
-    """In-specs of (q [B, H, hd], sink [H, 1], lane frequencies [1, hd], window rings
-    [n_layers, max_slots, W, hd]) for a decode attention kernel whose first prefetched
-    scalars are (layers, q_pos, kv_end, slot_ids): the ring block is (layers[0], slot)."""
+def query_window_specs(groups, heads: int, window_len: int, window_width: int) -> list:
+    """In-specs of (query planes per group [B, n_planes, H, plane_width], sink [H, 1], window
+    rings [n_layers, max_slots, W, stored width]) for a decode attention kernel whose first
+    prefetched scalars are (layers, q_pos, kv_end, slot_ids): the ring block is
+    (layers[0], slot)."""
     return [
-        per_row((heads, dim)),
+        *(per_row((lay.n_planes, heads, lay.plane_width)) for lay in groups.layouts),
         pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
-        pl.BlockSpec((1, dim), lambda b, *_: (0, 0)),
-        pl.BlockSpec((None, None, window_len, dim),
+        pl.BlockSpec((None, None, window_len, window_width),
                      lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
     ]
 
 
-def write_output(o_ref, denom, acc, q_pos, freq_ref) -> None:
-    """Normalises the softmax and writes it de-rotated by -q_pos."""
-    out = acc / denom
-    angle = q_pos.astype(jnp.float32) * freq_ref[...]
-    o_ref[...] = rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)
+def output_specs(groups, heads: int):
+    """Out-specs and shapes of the normalised output planes per group [B, n_planes, H, pw]."""
+    return [per_row((lay.n_planes, heads, lay.plane_width)) for lay in groups.layouts]
+
+
+def output_shapes(groups, batch: int, heads: int):
+    return [jax.ShapeDtypeStruct((batch, lay.n_planes, heads, lay.plane_width), jnp.float32)
+            for lay in groups.layouts]
+
+
+def write_output(o_refs, state) -> None:
+    """Normalises the softmax into the output planes (de-rotation follows in XLA)."""
+    _, denom, accs = state
+    for ref, planes in zip(o_refs, accs, strict=True):
+        for j, plane in enumerate(planes):
+            ref[j] = plane / denom

@@ -24,8 +24,14 @@ def test_demo_runs_and_matches_the_oracle(capsys):
 def test_memory_of_flash_preset(capsys):
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576"]) == 0
     out = capsys.readouterr().out
+    # Release formats by default: 21 CSA layers x (584 + 68) B / 4 + 20 HCA layers x 584 B / 128
+    assert "formats release" in out
+    assert "CSA 3423.00 B, HCA 91.25 B, total 3514.25 B" in out
+    assert "(page padding 0.00 %)" in out and "(5,057,544 B) per request" in out
+    assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576",
+                     "--formats", "bfloat16"]) == 0
     # 21 CSA layers x (512 + 128) x 2 B / 4 + 20 HCA layers x 512 x 2 B / 128
-    assert "CSA 6720.0 B, HCA 160.0 B, total 6880.0 B" in out
+    assert "CSA 6720.00 B, HCA 160.00 B, total 6880.00 B" in capsys.readouterr().out
 
 
 def test_ci_runs_the_readme_test_command():
@@ -83,13 +89,13 @@ def test_subcommands_called_directly_check_their_namespace():
     with pytest.raises(TypeError, match="--vocab: expected a value"):
         cli.demo(argparse.Namespace(**{k: v for k, v in good.items() if k != "vocab"}))
     with pytest.raises(ValueError, match=r"--tokens: expected an integer in \[1, inf\]; got -5"):
-        cli.memory(argparse.Namespace(preset="flash", tokens=-5, dtype="bfloat16"))
-    with pytest.raises(ValueError, match=r"--dtype: expected one of \('float32', 'bfloat16', "
-                                         r"'float16'\); got 'fp8'"):
-        cli.memory(argparse.Namespace(preset="flash", tokens=5, dtype="fp8"))
+        cli.memory(argparse.Namespace(preset="flash", tokens=-5, formats="bfloat16"))
+    with pytest.raises(ValueError, match=r"--formats: expected one of \('release', 'float32', "
+                                         r"'bfloat16', 'float16'\); got 'fp8'"):
+        cli.memory(argparse.Namespace(preset="flash", tokens=5, formats="fp8"))
     with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', 'tiny'\); "
                                          "got 'huge'"):
-        cli.memory(argparse.Namespace(preset="huge", tokens=5, dtype="bfloat16"))
+        cli.memory(argparse.Namespace(preset="huge", tokens=5, formats="bfloat16"))
 
 
 def test_the_test_command_ends_with_the_pytest_summary():

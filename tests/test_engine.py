@@ -286,6 +286,8 @@ def test_other_configs_geometries_options_and_salts_never_share_keys():
                        bias_scale=0.5)),
         Engine(DECODER, v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6,
                                        entry_dtype="bfloat16"), prefill_chunk=CHUNK),
+        Engine(DECODER, v4.CacheConfig(num_pages=24, max_slots=3, max_pages_per_seq=6,
+                                       hca_tail="online"), prefill_chunk=CHUNK),
         engine(options=v4.Options(query_tile=32)),
         engine(Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.25)),
     ]

@@ -9,6 +9,8 @@ multiplying instead of `where` (0 * NaN = NaN), or a read of another request's r
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,22 +44,22 @@ def owned_state(cache) -> dict[str, np.ndarray]:
         "refcount": np.asarray(cache.pages.refcount),
     }
     for spec in cache.specs:
-        tail = pools.tail(cache, spec.name)
-        for field in ("kv", "gate"):
-            out[f"{spec.name}.{field}"] = np.where(masks[f"{spec.name}_tail"],
-                                                   np.asarray(getattr(tail, field)), 0)
+        tail = pools.tail(cache, spec.name)  # a ring (kv, gate) or an online tail
+        for field in dataclasses.fields(tail):
+            out[f"{spec.name}.{field.name}"] = np.where(
+                masks[f"{spec.name}_tail"], np.asarray(getattr(tail, field.name)), 0)
         out[f"{spec.name}.entries"] = np.where(masks[f"{spec.name}_entries"],
                                                np.asarray(pools.entries(cache, spec.name)), 0)
     return out
 
 
-def core_scenario(poison, options=OPTIONS, rounds=(4, 3, 2)):
+def core_scenario(poison, options=OPTIONS, rounds=(4, 3, 2), model=MODEL, geometry=GEOMETRY):
     """Two requests prefill ragged chunks, one is released and its slot and pages go to a
     third request, then all decode. Returns every call's outputs and the final owned state."""
-    data = synthetic.SyntheticBatch.draw(MODEL, 3, 300, seed=1)
+    data = synthetic.SyntheticBatch.draw(model, 3, 300, seed=1)
     done = np.zeros(3, np.int64)
     outs = []
-    cache = poison(v4.init_cache(MODEL, GEOMETRY))
+    cache = poison(v4.init_cache(model, geometry))
 
     def call(cache, rows, slots, counts, chunk):
         pos = positions(done[rows], chunk)

@@ -238,7 +238,8 @@ def after(x: jax.Array, dep: jax.Array) -> jax.Array:
 
 def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
                   ) -> Cache:
-    """window: [n, B, T, hd] for global layers `layers` i32[n]."""
+    """window: [n, B, T, hd] for global layers `layers` i32[n], encoded in the ring's format
+    (`CacheConfig.window_dtype`)."""
     W = cache.attn_config.window
     tokens = window.shape[2]
     j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
@@ -247,7 +248,7 @@ def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.
     row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
     stored = pools.window_ring(cache)
     ring = stored.at[layers[:, None, None], plan.slot_ids[None, :, None], row[None]].set(
-        storage.encode(window, stored), mode="drop")
+        pools.codec(cache, "window").encode(window), mode="drop")
     return pools.with_window_ring(cache, ring)
 
 
@@ -257,7 +258,9 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     """Tail writes and entry emission of one compressor for the layers `layers` (kind stack
     indices i32[n]); inputs [n, B, T, w], params ape [n, m, w] and norm [n, width].
 
-    With a state-only plan (`replay_plan`) only the tails are written: no entry is emitted."""
+    With a state-only plan (`replay_plan`) only the tails are written: no entry is emitted.
+    The HCA compressor with hca_tail="online" folds the chunk into its `pools.OnlineTail`
+    (`ops.emit_entries_online`) instead of writing ring rows."""
     model, geo = cache.attn_config, cache.geometry
     tokens = inputs.kv.shape[2]
     positions = plan.positions(tokens)
@@ -265,6 +268,16 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
                                                                               params.ape)
     tail = pools.tail(cache, spec.name)
+    if pools.online_tail(geo, spec.name):
+        pool, tail = ops.emit_entries_online(
+            spec, model, geo, options,
+            pool=None if plan.state_only else pools.entries(cache, spec.name),
+            page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail=tail,
+            slot_ids=plan.slot_ids, kv=kv, gate=gate, start=plan.start, n_new=plan.n_new,
+            norm=params.norm)
+        if pool is not None:
+            cache = pools.with_entries(cache, spec.name, pool)
+        return pools.with_tail(cache, spec.name, tail)
     if not plan.state_only:
         pool = ops.emit_entries(
             spec, model, geo, options, pool=pools.entries(cache, spec.name),

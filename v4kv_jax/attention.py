@@ -10,7 +10,12 @@ The per-head sink adds exp(sink_h) to the denominator only. V = K, so the output
 are rotated back by -t. Everything is one online softmax (running max, sum, weighted sum)
 started from the sink, so the window and the entry chunks fold into it in any order.
 
-Shapes: q f32[B, T, H, hd]; window keys [B, Wk, hd] at positions base + 0 .. Wk - 1.
+Keys are read as stored (`CacheConfig.window_dtype` for the window, `entry_dtype` for C4 and
+C128 entries) and decoded to fp32 by their `storage.RowCodec` right after the read; a key
+no query may see is then replaced by zeros with `where` before any arithmetic.
+
+Shapes: q f32[B, T, H, hd]; window keys [B, Wk, sw(hd)] (as stored) at positions
+base + 0 .. Wk - 1.
 """
 
 from __future__ import annotations
@@ -46,12 +51,13 @@ def _softmax_fold(state: _Softmax, q: jax.Array, keys: jax.Array, visible: jax.A
                   ) -> _Softmax:
     """Folds keys (= values) into the running softmax.
 
-    keys are [B, K, hd] shared by all queries or [B, T, K, hd] per query; visible is
-    bool[B, T, K]. A key no query may see can hold anything (another request's rows, NaN):
-    it is replaced by zeros with `where` before any arithmetic, since 0 * NaN is NaN.
+    keys are f32 [B, K, hd] shared by all queries or [B, T, K, hd] per query (decoded);
+    visible is bool[B, T, K]. A key no query may see can hold anything (another request's
+    rows, NaN): it is replaced by zeros with `where` before any arithmetic, since 0 * NaN is
+    NaN.
     """
     seen = visible.any(axis=1) if keys.ndim == 3 else visible
-    keys = jnp.where(seen[..., None], storage.decode(keys), 0.0)
+    keys = jnp.where(seen[..., None], keys, 0.0)
     scale = q.shape[-1] ** -0.5
     if keys.ndim == 3:
         logits = jnp.einsum("bthd,bkd->bthk", q, keys, precision=_HIGHEST)
@@ -107,7 +113,8 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
       q_pos: i32[B, T] query positions.
       kv_end: i32[B], tokens in the sequence including this chunk; keys at or past it are
         never read (padded queries stay finite).
-      window_keys: [B, Wk, hd], key i at position window_base + i.
+      window_keys: [B, Wk, sw(hd)] as stored in the window ring's format, key i at position
+        window_base + i.
       window_base: i32[B].
       picks: CSA only: i32[B, T, k] entries chosen by the indexer (-1 = none).
 
@@ -120,21 +127,23 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
     visible = ((key_pos[:, None, :] <= q_pos[..., None])
                & (key_pos[:, None, :] > q_pos[..., None] - model.window)
                & readable[:, None, :])
-    # Key sets ([B, K, hd] per slot or [B, T, K, hd] per query, visible [B, T, K]) folded into
-    # one softmax. With one query per slot they are joined first: one pair of dots per layer.
+    # Key sets (f32 [B, K, hd] per slot or [B, T, K, hd] per query, visible [B, T, K]) folded
+    # into one softmax. With one query per slot they are joined first: one pair of dots per
+    # layer.
     state = _softmax_init(sink, q)
-    key_sets = [(window_keys, visible)]
+    key_sets = [(storage.codec(model, geometry, "window").decode(window_keys), visible)]
 
     if kind == LayerKind.HCA:
         m = model.hca_ratio
         epp = geometry.entries_per_page(m)
         seen = visible_entries(q_pos, kv_end, m)
         chunk_pages = options.read_chunk_pages(geometry, options.hca_read_entries, m)
+        codec = storage.codec(model, geometry, "hca")
 
         def chunk(page_ids, first):
             ent, present = paging.gather_pages(entries, layer, page_ids)
             idx = first + jnp.arange(ent.shape[1], dtype=jnp.int32)
-            return ent, (idx[None, None, :] < seen[..., None]) & present[:, None, :]
+            return codec.decode(ent), (idx[None, None, :] < seen[..., None]) & present[:, None, :]
 
         if page_rows.shape[1] <= chunk_pages:  # one read covers every page: no loop
             key_sets.append(chunk(page_rows, 0))
@@ -148,7 +157,8 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
         if picks is None:
             raise ValueError("picks: expected the indexer's picks i32[B, T, k] for a CSA layer; "
                              "got None")
-        key_sets.append(paging.gather_entries(entries, layer, page_rows, picks))
+        picked, present = paging.gather_entries(entries, layer, page_rows, picks)
+        key_sets.append((storage.codec(model, geometry, "csa").decode(picked), present))
 
     state = _fold_key_sets(state, q, key_sets)
     out = state.acc / state.denom[..., None]
@@ -175,10 +185,11 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig, optio
 
     Args:
       q: f32[B, H, hd] (RoPE applied); sink: f32[H].
-      window: the State pool's rings [n_layers, max_slots, W, hd]; window_layer: global layer.
+      window: the State pool's rings [n_layers, max_slots, W, sw(hd)] as stored;
+        window_layer: global layer.
       slot_ids, q_pos, kv_end: i32[B]: the slot, the query position and the tokens in the
         sequence (the ring holds every position below kv_end).
-      c4: [n_csa, num_pages, P // m, hd]; c4_layer: index in the CSA stack.
+      c4: [n_csa, num_pages, P // m, sw(hd)] as stored; c4_layer: index in the CSA stack.
       page_rows: i32[B, max_pages_per_seq]; picks: i32[B, k] entry ids (-1 = none).
 
     Returns:
@@ -195,7 +206,7 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig, option
     """HCA decode attention of one query per slot: window ring + every visible C128 entry.
 
     Arguments as `sparse_decode_attention` without picks; c128 is [n_hca, num_pages,
-    P // m', hd].
+    P // m', sw(hd)] as stored.
     """
     return _decode(model, geometry, options, LayerKind.HCA, q, sink, window, window_layer,
                    slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)

@@ -6,7 +6,8 @@
                  tokens with a Flax decoder of the same attention geometry (the Engine), and
                  a prompt sharing a prefix hits its pages (checked against a cold run).
   v4kv memory    the cache cost of a preset (flash, pro) at a given context, computed from
-                 the geometry alone.
+                 the geometry alone, in the preset's storage formats (the release formats
+                 for flash and pro) or those of --formats.
 """
 
 from __future__ import annotations
@@ -17,15 +18,13 @@ import time
 
 import numpy as np
 
-from v4kv_jax import checks, pools
+from v4kv_jax import checks, pools, storage
 from v4kv_jax import config as cfg
+from v4kv_jax.layout import compressor_specs
 
 DEMO_MODEL = dict(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64,
                   o_groups=2, o_lora_rank=32, window=128, compress_ratios=(0, 0, 4, 128, 4, 128),
                   csa_ratio=4, hca_ratio=128, index_heads=8, index_head_dim=32, index_topk=32)
-
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _say(msg: str) -> None:
@@ -223,20 +222,34 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
 def memory(args) -> int:
     _check_namespace(args, ("tokens",))
     checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
-    checks.one_of("--dtype", getattr(args, "dtype", None), DTYPES)
+    formats = getattr(args, "formats", None)
+    if formats is None:
+        formats = cfg.PRESET_FORMATS[args.preset]
+    checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
     model = cfg.PRESETS[args.preset]()
-    geometry = cfg.CacheConfig(num_pages=1, max_slots=1, max_pages_per_seq=1,
-                               entry_dtype=args.dtype, window_dtype=args.dtype)
-    per_token = pools.classical_bytes_per_token(model, args.dtype)
+    geometry = cfg.CacheConfig.with_formats(formats, num_pages=1, max_slots=1,
+                                            max_pages_per_seq=1)
+    per_token = pools.classical_bytes_per_token(model, geometry)
     state = pools.state_bytes_per_request(model, geometry)
     pages = -(-args.tokens // geometry.page_tokens)
-    classical = pages * geometry.page_tokens * per_token["total"]
-    dense = args.tokens * pools.dense_cache_bytes_per_token(model, args.dtype)
+    classical = pages * pools.page_bytes(model, geometry)
+    needed = sum(len(model.layers_of(spec.kind)) * storage.codec(model, geometry, spec.name)
+                 .row_bytes * (args.tokens // spec.ratio) for spec in compressor_specs(model)
+                 if model.layers_of(spec.kind))
+    padding = f"{100 * (classical / needed - 1):.2f} %" if needed else "-"
+    dense = args.tokens * pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)
+    rows = {name: storage.codec(model, geometry, name) for name in ("csa", "csa_index", "window")}
+    tails = (f"{geometry.tail_dtype} tails, HCA tail "
+             f"{'online (3 x hd)' if geometry.hca_tail == 'online' else 'ring'}")
     _say(f"{args.preset}: {model.num_layers} layers ({model.num_csa} CSA, {model.num_hca} HCA, "
-         f"{len(model.layers_of(cfg.LayerKind.SWA))} SWA), entries in {args.dtype}")
-    _say("Classical bytes/token: " + ", ".join(f"{k} {v:.1f} B" for k, v in per_token.items()))
-    _say(f"At {args.tokens:,} tokens: Classical {_mib(classical)} in {pages:,} pages, "
-         f"State {_mib(state)} per request (fp32 tails), dense per-token cache {_mib(dense)}")
+         f"{len(model.layers_of(cfg.LayerKind.SWA))} SWA); formats {formats}: entries "
+         f"{geometry.entry_dtype} ({rows['csa'].row_bytes} B), indexer keys "
+         f"{geometry.index_dtype} ({rows['csa_index'].row_bytes} B), window "
+         f"{geometry.window_dtype} ({rows['window'].row_bytes} B), {tails}")
+    _say("Classical bytes/token: " + ", ".join(f"{k} {v:.2f} B" for k, v in per_token.items()))
+    _say(f"At {args.tokens:,} tokens: Classical {_mib(classical)} in {pages:,} pages "
+         f"(page padding {padding}), State {_mib(state)} ({state:,} B) per request, dense "
+         f"per-token cache {_mib(dense)}")
     return 0
 
 
@@ -317,7 +330,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("memory", help="cache cost of a preset at a context length")
     p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash")
     p.add_argument("--tokens", type=option["tokens"], default=1 << 20)
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--formats", choices=tuple(cfg.FORMAT_SETS), default=None,
+                   help="storage formats (default: the preset's, release for flash and pro)")
     p.set_defaults(run=memory, problem=lambda args: None, parser=p)
     args = parser.parse_args(argv)
     problem = args.problem(args)

@@ -12,6 +12,15 @@ indexed by position mod ring, holding (a_t, z_t + ape[t mod m]) in fp32: with ov
 the open block plus the complete block before it (whose first halves the next entry pools),
 without overlap just the open block. Which rows are meaningful follows from the slot length
 alone, so a reset slot (length 0) never reads stale rows.
+
+The HCA compressor can instead keep its open block as an online softmax (hca_tail="online",
+`emit_entries_online`): running max, sum of exponentials and weighted sum per channel, folded
+token by token in position order with the update rule of the `pools` docstring ("The online
+HCA tail"); the entry of a block is RoPE(RMSNorm(weighted / sum)).
+
+Entries are written in the pool's format: pooled, normed and rotated in fp32, then encoded
+by the pool's `storage.RowCodec` (fp8_latent quantises the non-RoPE dims, fp4_index rotates
+by the Hadamard matrix and quantises: the official order).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import paging, rope, storage
+from v4kv_jax import paging, pools, rope, storage
 from v4kv_jax.config import AttentionConfig, CacheConfig
 from v4kv_jax.layout import CompressorSpec
 
@@ -98,8 +107,14 @@ def pool_blocks(spec: CompressorSpec, config: AttentionConfig, tail_kv: jax.Arra
     z = jnp.where(valid, z, -jnp.inf)
     weights = jax.nn.softmax(z, axis=-2)
     pooled = jnp.sum(jnp.where(valid, weights * a, 0.0), axis=-2)
+    return finish_entries(spec, config, pooled, block, norm, inv_freq)
+
+
+def finish_entries(spec: CompressorSpec, config: AttentionConfig, pooled: jax.Array,
+                   block: jax.Array, norm: jax.Array, inv_freq) -> jax.Array:
+    """f32[B, nb, width] entries RoPE_{i m}(RMSNorm_w(pooled)) of blocks i = `block`."""
     entries = rms_norm(pooled, norm, config.rms_eps)
-    return rope.rotate(entries, block * m, inv_freq)
+    return rope.rotate(entries, block * spec.ratio, inv_freq)
 
 
 def _over_layers(fn, sequential: bool, *xs):
@@ -148,8 +163,140 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
     entries = jax.lax.cond(
         jnp.any(done), emit,
         lambda: jnp.zeros((layers.shape[0], *block.shape, spec.width), jnp.float32))
+    return write_entries(spec, config, geometry, pool, page_rows, layers, block, done, entries)
+
+
+def write_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig,
+                  pool: jax.Array, page_rows: jax.Array, layers: jax.Array, block: jax.Array,
+                  done: jax.Array, entries: jax.Array) -> jax.Array:
+    """Encodes f32 entries [n, B, nb, width] of blocks `block` i32[B, nb] in the pool's
+    format and writes those marked `done` into their page and row (absent pages: dropped)."""
     page, row = paging.entry_pages(page_rows, jnp.where(done, block, -1),
                                    geometry.entries_per_page(spec.ratio))
     page = jnp.where(page >= 0, page, pool.shape[1])  # absent -> out of bounds -> dropped
-    return pool.at[layers[:, None, None], page[None], row[None]].set(
-        storage.encode(entries, pool), mode="drop")
+    stored = storage.codec(config, geometry, spec.name).encode(entries)
+    return pool.at[layers[:, None, None], page[None], row[None]].set(stored, mode="drop")
+
+
+def _rounded(x: jax.Array) -> jax.Array:
+    """x (a NaN stays NaN) through a select that no compiler pass removes, so that a
+    product is rounded to fp32 before it is added (never contracted into an FMA)."""
+    return jnp.where(x == x, x, jnp.nan)
+
+
+def touched_blocks(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens: int
+                   ) -> tuple[jax.Array, jax.Array]:
+    """Blocks a chunk of `tokens` tokens appended at `start` can touch, (block index
+    i32[B, nb], complete after the chunk bool[B, nb]); nb = (T + m - 2) // m + 1."""
+    m = spec.ratio
+    k = jnp.arange((tokens + m - 2) // m + 1, dtype=jnp.int32)[None, :]
+    block = start[:, None] // m + k
+    return block, (block + 1) * m <= (start + n_new)[:, None]
+
+
+def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Array],
+                kv: jax.Array, gate: jax.Array, start: jax.Array, n_new: jax.Array):
+    """Folds a chunk into the online tails (`pools` docstring), block by block in parallel.
+
+    Every block the chunk touches is folded from its first token in the chunk (or from the
+    stored state for a block that began before it) in position order, one token per step,
+    with the same fp32 expressions as a single-token decode, so any chunking gives the same
+    bits.
+
+    Args:
+      state: (max, sum, weighted) f32[B, width], each row's stored tail before the chunk.
+      kv, gate: f32[B, T, width], the chunk (gate already biased).
+      start, n_new: i32[B], slot length before the chunk and tokens appended.
+
+    Returns:
+      (state after the chunk (max, sum, weighted) f32[B, width], pooled f32[B, nb, width]
+      = weighted / sum of each touched block, block i32[B, nb], done bool[B, nb]: the block
+      is complete after the chunk).
+    """
+    m, tokens = spec.ratio, kv.shape[1]
+    block, done = touched_blocks(spec, start, n_new, tokens)
+    nb = block.shape[1]
+    k = block - start[:, None] // m
+    lo = jnp.where(k == 0, start[:, None] % m, 0)  # first offset folded in this chunk
+    bidx = jnp.arange(kv.shape[0])[:, None]
+    shape = (kv.shape[0], nb, kv.shape[2])
+    first = k == 0
+    carry = tuple(jnp.where(first[..., None], x[:, None, :], 0.0) for x in state)
+    carry = tuple(jnp.broadcast_to(x, shape) for x in carry)
+
+    def fold(carry, i):
+        mx, s, u = carry
+        offset = lo + i
+        idx = block * m + offset - start[:, None]  # >= 0: offsets start at lo
+        valid = ((offset < m) & (idx < n_new[:, None]))[..., None]
+        row = jnp.clip(idx, 0, tokens - 1)
+        a, z = kv[bidx, row], gate[bidx, row]
+        fresh = (offset == 0)[..., None]
+        top = jnp.maximum(mx, z)
+        c, e = jnp.exp(mx - top), jnp.exp(z - top)
+        # Products rounded on their own: XLA:CPU contracts a product and a sum into an FMA
+        # in some programs and not in others (an optimization barrier does not stop it),
+        # which would make the bits depend on the chunking. A select between the product
+        # and the sum (always the product) leaves nothing to contract.
+        sc, uc, ea = (_rounded(x) for x in (s * c, u * c, e * a))
+        new = (jnp.where(fresh, z, top), jnp.where(fresh, 1.0, sc + e),
+               jnp.where(fresh, a, uc + ea))
+        return tuple(jnp.where(valid, n, o) for n, o in zip(new, carry, strict=True)), None
+
+    steps = min(tokens, m)
+    if steps == 1:
+        carry, _ = fold(carry, jnp.int32(0))
+    else:
+        carry, _ = jax.lax.scan(fold, carry, jnp.arange(steps, dtype=jnp.int32))
+    _, s, u = carry
+    last = jnp.clip((start + n_new - 1) // m - start // m, 0, nb - 1)
+    new_state = tuple(x[jnp.arange(kv.shape[0]), last] for x in carry)
+    return new_state, u / s, block, done
+
+
+def emit_entries_online(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig,
+                        *, pool: jax.Array | None, page_rows: jax.Array, layers: jax.Array,
+                        tail: pools.OnlineTail, slot_ids: jax.Array, kv: jax.Array,
+                        gate: jax.Array, start: jax.Array, n_new: jax.Array,
+                        norm: jax.Array) -> tuple[jax.Array | None, pools.OnlineTail]:
+    """Folds the chunk into the online tails and writes the entry of every block it
+    completes (hca_tail="online"; `online_fold`).
+
+    Args:
+      pool: the C128 entries [n_hca, num_pages, P // m', sw(width)], or None to update the
+        tails only (a state-only replay).
+      page_rows: i32[B, max_pages_per_seq] of the batch's slots.
+      layers: i32[n] indices into the HCA stack.
+      tail: the `pools.OnlineTail` of the stack, [n_hca, max_slots, width] each.
+      slot_ids: i32[B], each row's slot; a row with an id outside [0, max_slots) or with
+        n_new 0 changes nothing.
+      kv, gate: f32[n, B, T, width], the chunk (gate already biased).
+      start, n_new: i32[B], slot length before the chunk and tokens appended.
+      norm: f32[n, width].
+
+    Returns:
+      (the updated pool, or None, the updated `OnlineTail`).
+    """
+    S = tail.max.shape[1]
+    read = jnp.clip(slot_ids, 0, S - 1)
+    codec = storage.tail_codec(geometry, spec.width)
+    state = tuple(codec.decode(x[layers[:, None], read[None, :]]) for x in
+                  (tail.max, tail.sum, tail.weighted))
+    inv_freq = rope.inv_frequencies(config, spec.kind)
+
+    def one_layer(mx, s, u, ckv, cgate, weight):
+        new_state, pooled, block, done = online_fold(spec, (mx, s, u), ckv, cgate, start, n_new)
+        if pool is None:
+            return new_state, None
+        return new_state, finish_entries(spec, config, pooled, block, weight, inv_freq)
+
+    new_state, entries = _over_layers(one_layer, False, *state, kv, gate, norm)
+    if pool is not None:
+        block, done = touched_blocks(spec, start, n_new, kv.shape[2])
+        pool = write_entries(spec, config, geometry, pool, page_rows, layers, block, done,
+                             entries)
+    dest = jnp.where((slot_ids >= 0) & (slot_ids < S) & (n_new > 0), slot_ids, S)
+    new_tail = pools.OnlineTail(*(
+        x.at[layers[:, None], dest[None, :]].set(codec.encode(v), mode="drop")
+        for x, v in zip((tail.max, tail.sum, tail.weighted), new_state, strict=True)))
+    return pool, new_tail

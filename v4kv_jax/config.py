@@ -16,8 +16,6 @@ import enum
 import math
 from collections.abc import Sequence
 
-import jax.numpy as jnp
-
 from v4kv_jax import checks
 
 SUPERBLOCK_TOKENS = 128  # lcm(4, 128): pages are aligned to this in every layer kind.
@@ -222,6 +220,27 @@ def tiny(**overrides) -> AttentionConfig:
 PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 
 STORAGE_FORMATS = ("float32", "bfloat16", "float16")
+# The packed formats of the official release (`v4kv_jax.storage`): "fp8_latent" for C4 / C128
+# entries and the window ring, "fp4_index" for the CSA indexer keys.
+ENTRY_FORMATS = STORAGE_FORMATS + ("fp8_latent",)
+INDEX_FORMATS = STORAGE_FORMATS + ("fp4_index",)
+WINDOW_FORMATS = STORAGE_FORMATS + ("fp8_latent",)
+# How the HCA compressor keeps its open block: an online softmax (3 x hd floats per layer) or
+# the raw ring of its (kv, gate) rows (m' x 2 hd floats per layer).
+HCA_TAILS = ("online", "ring")
+
+# Named sets of storage fields for `CacheConfig.with_formats` (and `v4kv memory --formats`).
+# "release": the formats of the official V4 release (its reference fake-quantises at the same
+# points), the default of the flash and pro presets (`PRESET_FORMATS`).
+FORMAT_SETS = {
+    "release": dict(entry_dtype="fp8_latent", index_dtype="fp4_index",
+                    window_dtype="fp8_latent", tail_dtype="float32", hca_tail="online"),
+    **{name: dict(entry_dtype=name, index_dtype=name, window_dtype=name, tail_dtype="float32",
+                  hca_tail="ring") for name in STORAGE_FORMATS},
+}
+# The storage a preset's model is served with by default: the release formats for the V4
+# releases; fp32 for the test config (whose widths the packed formats do not fit).
+PRESET_FORMATS = {"flash": "release", "pro": "release", "tiny": "float32"}
 
 # How the decode attention, the indexer and the compressor emission run (see `v4kv_jax.ops`).
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
@@ -238,9 +257,20 @@ class CacheConfig:
       max_slots: concurrent requests (rows of the State pool).
       max_pages_per_seq: length of a request's page-table row; the longest sequence is
         `max_pages_per_seq * page_tokens` tokens.
-      entry_dtype: storage format of C4 entries, indexer keys and C128 entries.
-      window_dtype: storage format of the sliding-window ring.
-      tail_dtype: storage format of the compressor tails (the SPEC pools them in fp32).
+      entry_dtype: storage format of C4 and C128 entries: a float format or "fp8_latent"
+        (`ENTRY_FORMATS`; needs head_dim - rope_dim a positive multiple of 64).
+      index_dtype: storage format of the CSA indexer keys: a float format or "fp4_index"
+        (`INDEX_FORMATS`; Hadamard-rotated keys, needs a power-of-two index_head_dim >= 32).
+      window_dtype: storage format of the sliding-window ring (`WINDOW_FORMATS`).
+      tail_dtype: storage format of the compressor tails, a float format (the SPEC pools them
+        in fp32).
+      hca_tail: how the HCA compressor keeps its open block: "online" (running max, sum of
+        exponentials and weighted sum, 3 x hd values per layer; `pools.OnlineTail`) or "ring"
+        (the block's raw kv and gate rows; `pools.Tail`).
+
+    The float32 defaults store every value exactly as computed. `CacheConfig.with_formats`
+    builds a config with a named set of formats (`FORMAT_SETS`: "release", "float32",
+    "bfloat16", "float16").
     """
 
     num_pages: int
@@ -250,6 +280,8 @@ class CacheConfig:
     entry_dtype: str = "float32"
     window_dtype: str = "float32"
     tail_dtype: str = "float32"
+    index_dtype: str = "float32"
+    hca_tail: str = "ring"
 
     def __post_init__(self):
         for name in ("num_pages", "max_slots", "max_pages_per_seq", "page_tokens"):
@@ -257,15 +289,24 @@ class CacheConfig:
         if self.page_tokens % SUPERBLOCK_TOKENS:
             checks.fail("page_tokens", f"a positive multiple of {SUPERBLOCK_TOKENS} (lcm of the "
                         "compression ratios)", self.page_tokens)
-        for name in ("entry_dtype", "window_dtype", "tail_dtype"):
-            checks.one_of(name, getattr(self, name), STORAGE_FORMATS)
+        allowed = {"entry_dtype": ENTRY_FORMATS, "index_dtype": INDEX_FORMATS,
+                   "window_dtype": WINDOW_FORMATS, "tail_dtype": STORAGE_FORMATS,
+                   "hca_tail": HCA_TAILS}
+        for name, choices in allowed.items():
+            checks.one_of(name, getattr(self, name), choices)
+
+    @classmethod
+    def with_formats(cls, formats: str, **fields) -> CacheConfig:
+        """A config storing in the named set of formats (`FORMAT_SETS`): "release" (fp8_latent
+        entries and window, fp4_index indexer keys, fp32 tails, online HCA tail), "float32",
+        "bfloat16" or "float16" (entries, keys and window in that dtype, fp32 ring tails).
+        `fields` are the other fields (and may override single formats)."""
+        checks.one_of("formats", formats, tuple(FORMAT_SETS))
+        return cls(**{**FORMAT_SETS[formats], **fields})
 
     @property
     def max_seq_len(self) -> int:
         return self.max_pages_per_seq * self.page_tokens
-
-    def dtype(self, name: str) -> jnp.dtype:
-        return jnp.dtype(getattr(self, f"{name}_dtype"))
 
     def check_against(self, model: AttentionConfig) -> None:
         """Raises if the page size does not align with the model's compression ratios."""

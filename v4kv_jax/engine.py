@@ -326,7 +326,8 @@ class Engine:
         self.replay_pages = pages_for(attn.num_layers * (attn.window - 1) + 1, P)
         self.fingerprint = prefix.fingerprint(
             repr(attn), f"page_tokens={P} entry={geometry.entry_dtype} "
-            f"window={geometry.window_dtype} tail={geometry.tail_dtype}",
+            f"index={geometry.index_dtype} window={geometry.window_dtype} "
+            f"tail={geometry.tail_dtype} hca_tail={geometry.hca_tail}",
             repr(model.config), repr(self.options), prefix.tree_digest(self.params))
         self.index = prefix.PrefixIndex()
         self.snapshots = prefix.SnapshotStore(

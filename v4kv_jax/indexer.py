@@ -5,6 +5,15 @@
 Only entries i < (t + 1) // m that were written are candidates (`layout.visible_entries`).
 The top min(k, #candidates) are kept; unused picks are -1.
 
+Keys are read in their stored format (`CacheConfig.index_dtype`). With "fp4_index" a stored
+key is hadamard(K) quantised to e2m1, and the query is prepared the same way
+(`prepare_index_query`: hadamard(qi) per head, then the same fp4 fake-quantisation, as the
+official reference does to its indexer query), so qi . K becomes the dot product of two
+rotated, quantised vectors (the rotation is orthonormal). Callers prepare the query once
+(`ops.index_scores` does, before choosing the reference or a kernel); `index_scores` here
+takes it prepared.
+
+  prepare_index_query  the query in the keys' basis and numerics
   key_scores     the score math for given keys
   index_scores   scores of every entry id of a paged row, -inf where not a candidate
   topk_of_scores the picks of a score row
@@ -21,6 +30,23 @@ from v4kv_jax.config import AttentionConfig, CacheConfig, Options
 from v4kv_jax.layout import visible_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def prepare_index_query(geometry: CacheConfig, index_q: jax.Array) -> jax.Array:
+    """f32 index_q [..., nI, c] prepared for keys stored in `geometry.index_dtype`.
+
+    Float formats: the query as it is (widened to fp32). "fp4_index": per head,
+    decode_fp4_key(encode_fp4_key(hadamard(qi), rotated=True)) -- rotated into the stored
+    keys' basis, then fake-quantised in fp4 (e2m1, blocks of 32, ue8m0 scales) as the official
+    reference quantises its indexer query; the rotation runs in fp32 (the reference rounds
+    its activations to bf16 first; the cache does not add that rounding).
+    """
+    index_q = jnp.asarray(index_q, jnp.float32)
+    if geometry.index_dtype != "fp4_index":
+        return index_q
+    c = index_q.shape[-1]
+    return storage.decode_fp4_key(storage.encode_fp4_key(storage.hadamard(index_q),
+                                                         rotated=True), c)
 
 
 def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) -> jax.Array:
@@ -58,10 +84,11 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     pages only); capacity is the page-table length rounded up to whole read chunks.
 
     Args:
-      index_keys: the Classical pool's indexer keys [n_csa, pages, P // m, c].
+      index_keys: the Classical pool's indexer keys [n_csa, pages, P // m, sw(c)], as stored.
       layer: index into the CSA stack (may be traced).
       page_rows: i32[B, max_pages_per_seq] page-table rows of the batch.
-      index_q: f32[B, T, nI, c]; index_weights: f32[B, T, nI].
+      index_q: f32[B, T, nI, c], prepared (`prepare_index_query`); index_weights:
+        f32[B, T, nI].
       q_pos: i32[B, T] query positions; kv_end: i32[B] tokens appended (entries beyond are
         never read).
     """
@@ -71,12 +98,13 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     batch, tokens = q_pos.shape
     visible = visible_entries(q_pos, kv_end, m)
     capacity = paging.padded_pages(page_rows.shape[1], chunk_pages) * epp
+    codec = storage.codec(model, geometry, "csa_index")
 
     def body(buf, page_ids, first):
         keys, present = paging.gather_pages(index_keys, layer, page_ids)
         idx = first + jnp.arange(keys.shape[1], dtype=jnp.int32)
         # Keys of absent pages may hold anything (NaN included); `where` drops their scores.
-        scores = key_scores(index_q, index_weights, keys)
+        scores = key_scores(index_q, index_weights, codec.decode(keys))
         ok = (idx[None, None, :] < visible[..., None]) & present[:, None, :]
         scores = jnp.where(ok, scores, -jnp.inf)
         return jax.lax.dynamic_update_slice_in_dim(buf, scores, first, axis=2)
@@ -149,4 +177,4 @@ def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, 
 
 
 __all__ = ["finish_topk", "index_scores", "index_topk", "key_scores", "picks_from_scores",
-           "topk_of_scores"]
+           "prepare_index_query", "topk_of_scores"]

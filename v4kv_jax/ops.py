@@ -29,7 +29,7 @@ import importlib
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import attention, compressor, indexer, paging, pools, rope
+from v4kv_jax import attention, compressor, indexer, paging, pools, rope, storage
 from v4kv_jax.config import IMPLEMENTATIONS, AttentionConfig, CacheConfig, LayerKind, Options
 from v4kv_jax.config import options_or_default as _options
 from v4kv_jax.layout import CompressorSpec
@@ -131,6 +131,13 @@ def _kernel(op: str, model: AttentionConfig, options: Options | None, implementa
     return getattr(module, name), interpret
 
 
+def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
+    """Static format arguments of the decode attention kernels: they read the window ring and
+    the entries as stored (packed rows decoded in the kernel)."""
+    return dict(entry_format=geometry.entry_dtype, window_format=geometry.window_dtype,
+                rope_dim=model.rope_dim)
+
+
 def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
                  options: Options | None = None, *, pool: jax.Array, page_rows: jax.Array,
                  layers: jax.Array, tail_kv: jax.Array, tail_gate: jax.Array,
@@ -147,11 +154,33 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
     kernel, interpret = _kernel("emit_entries", model, options, implementation, interpret)
-    if kernel is None:
+    codec = storage.codec(model, geometry, spec.name)
+    if kernel is None or (codec.packed and codec.fmt not in
+                          importlib.import_module(kernel.__module__).WRITES_PACKED):
+        # A kernel that cannot encode the pool's packed format leaves it to the reference.
         return compressor.emit_entries(spec, model, geometry, **arrays)
     return kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
                   overlap=spec.overlap, eps=model.rms_eps, block_sizes=block_sizes,
-                  interpret=interpret)
+                  interpret=interpret, entry_format=codec.fmt, rope_dim=codec.rope_dim)
+
+
+def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
+                        options: Options | None = None, *, pool: jax.Array | None,
+                        page_rows: jax.Array, layers: jax.Array, tail: pools.OnlineTail,
+                        slot_ids: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
+                        n_new: jax.Array, norm: jax.Array, implementation: str | None = None,
+                        interpret: bool | None = None, block_sizes=None
+                        ) -> tuple[jax.Array | None, pools.OnlineTail]:
+    """The HCA compressor with hca_tail="online": folds the chunk into the online tails and
+    writes the entry of every block it completes (`compressor.emit_entries_online`; layout
+    and update rule in the `pools` docstring). Returns (pool or None, `pools.OnlineTail`).
+
+    No Pallas kernel implements it yet: every implementation runs the reference.
+    """
+    del options, implementation, interpret, block_sizes
+    return compressor.emit_entries_online(
+        spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
+        slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
 
 
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
@@ -169,7 +198,11 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
       page_rows: i32[B, max_pages_per_seq].
       index_q: f32[B, nI, c] (RoPE per head); index_weights: f32[B, nI] raw head weights.
       q_pos, kv_end: i32[B].
+
+    The query is prepared for the keys' format first (`indexer.prepare_index_query`: for
+    fp4_index keys rotated and fake-quantised like them), for every implementation.
     """
+    index_q = indexer.prepare_index_query(geometry, index_q)
     kernel, interpret = _kernel("index_scores", model, options, implementation, interpret)
     if kernel is None:
         return indexer.index_scores(
@@ -177,7 +210,8 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
             page_rows=page_rows, index_q=index_q[:, None], index_weights=index_weights[:, None],
             q_pos=q_pos[:, None], kv_end=kv_end)[:, 0]
     return kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
-                  ratio=model.csa_ratio, block_sizes=block_sizes, interpret=interpret)
+                  ratio=model.csa_ratio, block_sizes=block_sizes, interpret=interpret,
+                  index_format=geometry.index_dtype)
 
 
 def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
@@ -206,7 +240,7 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     if kernel is None:
         return attention.sparse_decode_attention(model, geometry, _options(options), *args)
     return kernel(*args, rope.inv_frequencies(model, LayerKind.CSA), block_sizes=block_sizes,
-                  interpret=interpret)
+                  interpret=interpret, **_read_formats(model, geometry))
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
@@ -222,7 +256,7 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     if kernel is None:
         return attention.dense_decode_attention(model, geometry, _options(options), *args)
     return kernel(*args, rope.inv_frequencies(model, LayerKind.HCA), ratio=model.hca_ratio,
-                  block_sizes=block_sizes, interpret=interpret)
+                  block_sizes=block_sizes, interpret=interpret, **_read_formats(model, geometry))
 
 
 def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, queries: Queries,
@@ -274,6 +308,6 @@ def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, que
 
 __all__ = [
     "IMPLEMENTATIONS", "KernelUnavailableError", "decode_attention", "dense_decode_attention",
-    "emit_entries", "gpu_support_problem", "index_scores", "index_topk", "resolve", "selected",
-    "sparse_decode_attention", "uses_kernels",
+    "emit_entries", "emit_entries_online", "gpu_support_problem", "index_scores",
+    "index_topk", "resolve", "selected", "sparse_decode_attention", "uses_kernels",
 ]

@@ -1,16 +1,57 @@
 """The two pools as one pytree, `Cache`.
 
 Classical pool (complete, immutable entries; paged; shared by all requests):
-  c4          [n_csa, num_pages, P // m,  head_dim]         CSA entries
-  index_keys  [n_csa, num_pages, P // m,  index_head_dim]   CSA indexer keys
-  c128        [n_hca, num_pages, P // m', head_dim]         HCA entries
+  c4          [n_csa, num_pages, P // m,  sw(head_dim)]         CSA entries
+  index_keys  [n_csa, num_pages, P // m,  sw(index_head_dim)]   CSA indexer keys
+  c128        [n_hca, num_pages, P // m', sw(head_dim)]         HCA entries
   pages       page tables, free stack, refcounts (see `paging`)
 
 State pool (per request slot; changes every step):
   lengths     i32[max_slots]   tokens appended so far
   status      i32[max_slots]   `SlotStatus`
-  window      [n_layers, max_slots, W, head_dim]   ring: position p sits at row p % W
-  csa, csa_index, hca          compressor tails, `Tail` of [n, max_slots, ring, in_width]
+  window      [n_layers, max_slots, W, sw(head_dim)]   ring: position p sits at row p % W
+  csa, csa_index               compressor tails, `Tail` of [n, max_slots, ring, in_width]
+  hca                          `Tail` as above (hca_tail="ring"), or `OnlineTail` of
+                               [n_hca, max_slots, head_dim] (hca_tail="online")
+
+Row formats: sw(width) is the stored width of a row (`storage.stored_width`): the width
+itself in a float format (float32 / bfloat16 / float16 arrays), 146 uint32 words for an
+fp8_latent row of 512 values with 64 RoPE dims, 17 for an fp4_index key of 128 values. C4
+and C128 entries are in `CacheConfig.entry_dtype`, indexer keys in `index_dtype`, the window
+in `window_dtype` (one `storage.RowCodec` each: `storage.codec`), tails in `tail_dtype`.
+Rows are stored exactly as `RowCodec.encode` returns them; every reader decodes with
+`RowCodec.decode`.
+
+The online HCA tail (`OnlineTail`, hca_tail="online")
+------------------------------------------------------
+Per HCA layer and slot, three fp32 vectors of head_dim (stored in `tail_dtype`) describe the
+open C128 block, positions i m' .. L - 1 of a slot of length L (i = L // m'), as an online
+softmax over its tokens, channel by channel (z_t = gate_t + ape[t mod m'], a_t = kv_t):
+
+  max       M     = max over the block's tokens so far of z_t
+  sum       S     = sum of exp(z_t - M)
+  weighted  U     = sum of exp(z_t - M) * a_t
+
+Tokens are folded in position order, one at a time; the token at position t with block
+offset o = t mod m' does, in fp32:
+
+  o == 0 (a block starts; the previous block is forgotten):
+      M <- z_t;  S <- 1;  U <- a_t
+  o > 0:
+      M' = max(M, z_t);  c = exp(M - M');  e = exp(z_t - M')
+      S <- (S * c) + e;  U <- (U * c) + (e * a_t);  M <- M'
+
+Each product is rounded to fp32 before the sum (no FMA contraction; the reference forces it,
+see `compressor.online_fold`), so decode and prefill give the same bits; a kernel that
+contracts differs from the reference by about an ulp per token, well within the 1e-6 of the
+entries.
+The token at o == m' - 1 completes the block: its entry is RoPE_{i m'}(RMSNorm_w(U / S)),
+the softmax pooling of the block (within 1e-6 of the raw ring's, fp32). Every chunking of
+the tokens (decode, prefill, any chunk boundaries) runs the same fold per block in the same
+order, so tails and entries do not depend on it. The tail is meaningful iff L mod m' != 0;
+with L mod m' == 0 (an empty open block, e.g. a fresh slot or a page boundary) it holds
+stale values that the next token, at o == 0, replaces without reading. 3 x 512 x 4 B = 6 KiB
+per HCA layer instead of the ring's m' x 2 x 512 x 4 B (512 KiB for m' = 128).
 
 The model and cache configs are static fields, so a jitted function taking a `Cache`
 compiles once per geometry and never per length.
@@ -58,8 +99,21 @@ class ClassicalPool:
 
 @struct.dataclass
 class Tail:
+    """A compressor's raw tail ring: kv and gate [n_kind, max_slots, ring, in_width]
+    (position p at row p % ring; gate with the position bias added)."""
+
     kv: jax.Array
     gate: jax.Array
+
+
+@struct.dataclass
+class OnlineTail:
+    """The HCA compressor's open block as an online softmax (module docstring):
+    max, sum, weighted [n_hca, max_slots, head_dim], in `tail_dtype`."""
+
+    max: jax.Array
+    sum: jax.Array
+    weighted: jax.Array
 
 
 @struct.dataclass
@@ -107,14 +161,26 @@ def with_window_ring(cache: Cache, value: jax.Array) -> Cache:
     return cache.replace(state=cache.state.replace(window=value))
 
 
-def tail(cache: Cache, name: str) -> Tail:
-    """The tail rings of compressor `name`: kv and gate [n_kind_layers, max_slots, ring,
-    in_width], as stored (position p at row p % ring; gate with the position bias added)."""
+def tail(cache: Cache, name: str) -> Tail | OnlineTail:
+    """The tails of compressor `name`, as stored: a `Tail` ring, kv and gate
+    [n_kind_layers, max_slots, ring, in_width] (position p at row p % ring; gate with the
+    position bias added), or for "hca" with hca_tail="online" an `OnlineTail`."""
     return getattr(cache.state, name)
 
 
-def with_tail(cache: Cache, name: str, value: Tail) -> Cache:
+def with_tail(cache: Cache, name: str, value: Tail | OnlineTail) -> Cache:
     return cache.replace(state=cache.state.replace(**{name: value}))
+
+
+def online_tail(geometry: CacheConfig, name: str) -> bool:
+    """Whether compressor `name` keeps an `OnlineTail` (the HCA compressor with
+    hca_tail="online") rather than a raw `Tail` ring."""
+    return name == "hca" and geometry.hca_tail == "online"
+
+
+def codec(cache: Cache, name: str) -> storage.RowCodec:
+    """The row format of a stored array: "csa", "csa_index", "hca" entries or "window"."""
+    return storage.codec(cache.attn_config, cache.geometry, name)
 
 
 def lengths(cache: Cache) -> jax.Array:
@@ -137,24 +203,30 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     """An empty cache: every slot free, every page free, all storage zero."""
     geometry.check_against(model)
     P, S = geometry.page_tokens, geometry.max_slots
-    entry_dt, tail_dt = storage.dtype(geometry.entry_dtype), storage.dtype(geometry.tail_dtype)
     stored, tails = {}, {}
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
+        rows = storage.codec(model, geometry, spec.name)
         stored[_ENTRY_FIELD[spec.name]] = jnp.zeros(
-            (n, geometry.num_pages, P // spec.ratio, spec.width), entry_dt)
-        tails[spec.name] = Tail(
-            kv=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
-            gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
-        )
+            (n, geometry.num_pages, P // spec.ratio, rows.stored_width), rows.dtype)
+        tail_dt = storage.tail_codec(geometry, spec.in_width).dtype
+        if online_tail(geometry, spec.name):
+            tails[spec.name] = OnlineTail(*(jnp.zeros((n, S, spec.width), tail_dt)
+                                            for _ in range(3)))
+        else:
+            tails[spec.name] = Tail(
+                kv=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
+                gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
+            )
+    window = storage.codec(model, geometry, "window")
     return Cache(
         classical=ClassicalPool(**stored),
         pages=paging.PageState.create(geometry.num_pages, S, geometry.max_pages_per_seq),
         state=StatePool(
             lengths=jnp.zeros((S,), jnp.int32),
             status=jnp.full((S,), SlotStatus.FREE, jnp.int32),
-            window=jnp.zeros((model.num_layers, S, model.window, model.head_dim),
-                             storage.dtype(geometry.window_dtype)),
+            window=jnp.zeros((model.num_layers, S, model.window, window.stored_width),
+                             window.dtype),
             **tails,
         ),
         attn_config=model,
@@ -435,8 +507,9 @@ class StateSnapshot:
     holds the same pages (`restore_state`).
 
     Attributes:
-      window: [n_layers, W, hd], the window ring (position p at row p % W).
-      tails: compressor name -> `Tail` of [n_kind_layers, ring, in_width].
+      window: [n_layers, W, sw(hd)], the window ring as stored (position p at row p % W).
+      tails: compressor name -> `Tail` of [n_kind_layers, ring, in_width], or `OnlineTail`
+        of [n_hca, head_dim] (hca_tail="online").
       length: i32[], tokens appended.
     """
 
@@ -580,8 +653,8 @@ def inspect_slots(cache: Cache) -> list[SlotReport]:
 
 @dataclasses.dataclass(frozen=True)
 class SlotContents:
-    """One request's data in logical order (host numpy arrays), independent of which pages
-    and ring rows hold it.
+    """One request's data in logical order (host numpy arrays, decoded to fp32 from whatever
+    format they are stored in), independent of which pages and ring rows hold it.
 
     Attributes:
       length: tokens appended.
@@ -589,10 +662,14 @@ class SlotContents:
         length - min(length, W) .. length - 1, oldest first.
       entries: compressor name -> [n_kind_layers, length // m, width], entry i of every layer
         of that kind ("csa": C4 entries, "csa_index": indexer keys, "hca": C128 entries).
-      tail_kv, tail_gate: compressor name -> [n_kind_layers, rows, in_width], the tail rows
-        still needed, oldest first (gate with the position bias added): the open block, and
-        with overlap (CSA) the complete block before it.
-      tail_start: compressor name -> the position of the first tail row.
+        fp4_index keys are given unrotated (the stored rotation undone).
+      tail_kv, tail_gate: ring compressor name -> [n_kind_layers, rows, in_width], the tail
+        rows still needed, oldest first (gate with the position bias added): the open block,
+        and with overlap (CSA) the complete block before it.
+      online: online compressor name ("hca" with hca_tail="online") -> {"max", "sum",
+        "weighted"} of [n_kind_layers, rows, width]: rows is 1 while the open block holds
+        tokens, 0 when it is empty (`OnlineTail`).
+      tail_start: compressor name -> the position of the first tail token.
     """
 
     length: int
@@ -601,6 +678,7 @@ class SlotContents:
     tail_kv: dict[str, np.ndarray]
     tail_gate: dict[str, np.ndarray]
     tail_start: dict[str, int]
+    online: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 def read_slot(cache: Cache, slot: int) -> SlotContents:
@@ -610,21 +688,30 @@ def read_slot(cache: Cache, slot: int) -> SlotContents:
     n = int(cache.state.lengths[slot])
     W = cache.attn_config.window
     positions = np.arange(max(0, n - W), n)
-    window = np.asarray(window_ring(cache)[:, slot])[:, positions % W]
+    window = np.asarray(codec(cache, "window").decode(window_ring(cache)[:, slot]))
+    window = window[:, positions % W]
     table = np.asarray(cache.pages.page_table[slot])
-    by_kind, tail_kv, tail_gate, tail_start = {}, {}, {}, {}
+    by_kind, tail_kv, tail_gate, tail_start, online = {}, {}, {}, {}, {}
     for spec in cache.specs:
         epp = cache.geometry.entries_per_page(spec.ratio)
         idx = np.arange(n // spec.ratio)
-        pool = np.asarray(entries(cache, spec.name))
-        by_kind[spec.name] = pool[:, table[idx // epp], idx % epp]
-        first = max(0, (n // spec.ratio - (1 if spec.overlap else 0)) * spec.ratio)
-        rows = np.arange(first, n) % spec.ring
+        pool = entries(cache, spec.name)
+        rows = pool[:, jnp.asarray(table[idx // epp]), jnp.asarray(idx % epp)]
+        by_kind[spec.name] = np.asarray(codec(cache, spec.name).decode_unrotated(rows))
         ring = tail(cache, spec.name)
-        tail_kv[spec.name] = np.asarray(ring.kv[:, slot])[:, rows]
-        tail_gate[spec.name] = np.asarray(ring.gate[:, slot])[:, rows]
+        if online_tail(cache.geometry, spec.name):
+            first = n // spec.ratio * spec.ratio
+            held = slice(0, 1 if first < n else 0)
+            online[spec.name] = {
+                field: np.asarray(storage.decode(getattr(ring, field)[:, slot]))[:, None][:, held]
+                for field in ("max", "sum", "weighted")}
+        else:
+            first = max(0, (n // spec.ratio - (1 if spec.overlap else 0)) * spec.ratio)
+            rows = np.arange(first, n) % spec.ring
+            tail_kv[spec.name] = np.asarray(storage.decode(ring.kv[:, slot]))[:, rows]
+            tail_gate[spec.name] = np.asarray(storage.decode(ring.gate[:, slot]))[:, rows]
         tail_start[spec.name] = first
-    return SlotContents(n, window, by_kind, tail_kv, tail_gate, tail_start)
+    return SlotContents(n, window, by_kind, tail_kv, tail_gate, tail_start, online)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -671,65 +758,82 @@ class MemoryReport:
         ])
 
 
-def classical_bytes_per_token(model: AttentionConfig, entry_dtype: str) -> dict[str, float]:
-    """Amortised Classical bytes per token, per layer kind (summed over its layers) + total."""
-    per_token: dict[str, float] = {}
+def _entry_rows(model: AttentionConfig, geometry: CacheConfig):
+    """(spec, layers of its kind, stored bytes of one entry) per compressor with layers."""
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
         if n:
-            per_token[spec.kind.name] = per_token.get(spec.kind.name, 0.0) + (
-                n * storage.row_bytes(spec.width, entry_dtype) / spec.ratio)
+            yield spec, n, storage.codec(model, geometry, spec.name).row_bytes
+
+
+def classical_bytes_per_token(model: AttentionConfig, geometry: CacheConfig
+                              ) -> dict[str, float]:
+    """Amortised Classical bytes per token in the geometry's formats, per layer kind (summed
+    over its layers) + total: sum of entry bytes / ratio (V4-Flash in the release formats:
+    CSA 21 x (584 + 68) / 4 = 3423, HCA 20 x 584 / 128 = 91.25, total 3514.25)."""
+    per_token: dict[str, float] = {}
+    for spec, n, one in _entry_rows(model, geometry):
+        per_token[spec.kind.name] = per_token.get(spec.kind.name, 0.0) + n * one / spec.ratio
     per_token["total"] = sum(per_token.values())
     return per_token
 
 
+def page_bytes(model: AttentionConfig, geometry: CacheConfig) -> int:
+    """Classical bytes of one page: every layer's entries of P tokens, in the stored formats."""
+    return sum(n * one * geometry.entries_per_page(spec.ratio)
+               for spec, n, one in _entry_rows(model, geometry))
+
+
 def state_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> int:
-    """Fixed State bytes of one slot: window ring, compressor tails, length and status."""
-    total = model.num_layers * model.window * storage.row_bytes(model.head_dim,
-                                                               geometry.window_dtype)
+    """Fixed State bytes of one slot: window ring, compressor tails (rings, or online
+    accumulators of 3 x head_dim per HCA layer), length and status."""
+    window = storage.codec(model, geometry, "window")
+    total = model.num_layers * model.window * window.row_bytes
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
-        total += 2 * n * spec.ring * storage.row_bytes(spec.in_width, geometry.tail_dtype)
+        if online_tail(geometry, spec.name):
+            total += 3 * n * storage.tail_codec(geometry, spec.width).row_bytes
+        else:
+            total += 2 * n * spec.ring * storage.tail_codec(geometry, spec.in_width).row_bytes
     return total + 8
 
 
 def memory_report(cache: Cache) -> MemoryReport:
     model, geo = cache.attn_config, cache.geometry
-    per_token = classical_bytes_per_token(model, geo.entry_dtype)
-    page_bytes = int(per_token["total"] * geo.page_tokens)
     lengths = np.asarray(cache.state.lengths, dtype=np.int64)
     active = np.asarray(cache.state.status) != SlotStatus.FREE
-    entry_bytes = 0
-    for spec in cache.specs:
-        n = len(model.layers_of(spec.kind))
-        one = storage.row_bytes(spec.width, geo.entry_dtype)
-        entry_bytes += int(n * one * np.sum((lengths // spec.ratio)[active]))
+    entry_bytes = sum(int(n * one * np.sum((lengths // spec.ratio)[active]))
+                      for spec, n, one in _entry_rows(model, geo))
+    one_page = page_bytes(model, geo)
     refcount = np.asarray(cache.pages.refcount)
     used = int(np.sum(refcount > 0))
     return MemoryReport(
-        classical_bytes_per_token=per_token,
+        classical_bytes_per_token=classical_bytes_per_token(model, geo),
         state_bytes_per_request=state_bytes_per_request(model, geo),
-        page_bytes=page_bytes,
+        page_bytes=one_page,
         pages_total=geo.num_pages,
         pages_used=used,
         pages_free=int(cache.pages.num_free),
         pages_shared=int(np.sum(refcount > 1)),
-        allocated_bytes=used * page_bytes,
+        allocated_bytes=used * one_page,
         entry_bytes=entry_bytes,
         state_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(cache.state))),
     )
 
 
 def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") -> int:
-    """Bytes per token of an uncompressed cache of the same layers (one K=V vector per layer)."""
-    return model.num_layers * storage.row_bytes(model.head_dim, dtype)
+    """Bytes per token of an uncompressed cache of the same layers (one K=V vector per layer)
+    with rows in format `dtype` (a float format or "fp8_latent")."""
+    rope = model.rope_dim if dtype == "fp8_latent" else 0
+    return model.num_layers * storage.row_bytes(model.head_dim, dtype, rope)
 
 
 __all__ = [
-    "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "SlotContents", "SlotReport",
-    "SlotStatus", "StatePool", "StateSnapshot", "Tail", "attach_prefix",
-    "classical_bytes_per_token", "clear_flags", "dense_cache_bytes_per_token", "drop_pages",
-    "hold_pages", "init_cache", "inspect_slots", "load_pages", "memory_report", "read_pages",
-    "read_slot", "release_slot", "reset_slot", "restore_state", "snapshot_state",
+    "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "OnlineTail", "SlotContents",
+    "SlotReport", "SlotStatus", "StatePool", "StateSnapshot", "Tail", "attach_prefix",
+    "classical_bytes_per_token", "clear_flags", "codec", "dense_cache_bytes_per_token",
+    "drop_pages", "hold_pages", "init_cache", "inspect_slots", "load_pages", "memory_report",
+    "online_tail", "page_bytes", "read_pages", "read_slot", "release_slot", "reset_slot",
+    "restore_state", "snapshot_state",
     "state_bytes_per_request",
 ]

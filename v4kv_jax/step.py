@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import append, attention, checks, indexer, ops, pools, storage
+from v4kv_jax import append, attention, checks, indexer, ops, pools
 from v4kv_jax import vectors as vec
 from v4kv_jax.append import AppendPlan, page_rows, read_slots
 from v4kv_jax.config import LayerKind, Options
@@ -42,7 +42,8 @@ def _attend_chunk(cache: Cache, ref: LayerRef, rows: jax.Array, queries: Queries
         entries = pools.entries(cache, "csa")
         picks = indexer.index_topk(model, geo, options,
                                    index_keys=pools.entries(cache, "csa_index"),
-                                   layer=ref.kind_layer, page_rows=rows, index_q=queries.index_q,
+                                   layer=ref.kind_layer, page_rows=rows,
+                                   index_q=indexer.prepare_index_query(geo, queries.index_q),
                                    index_weights=queries.index_weights, q_pos=q_pos,
                                    kv_end=kv_end)
     elif ref.kind == LayerKind.HCA:
@@ -132,7 +133,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
     rows = page_rows(cache, plan.slot_ids)
     extended = jnp.concatenate(
         [attention.ordered_window(old_ring, plan.start),
-         storage.encode(vectors.window, old_ring)], axis=1)
+         pools.codec(cache, "window").encode(vectors.window)], axis=1)
     q_pos = plan.positions(tokens)
     tile = min(options.query_tile, tokens)
     n_tiles = -(-tokens // tile)

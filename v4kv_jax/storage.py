@@ -6,8 +6,14 @@ kernels widen what they load the same way. Plain float formats ("float32", "bflo
 "float16"): `encode` rounds to the dtype, `decode` widens to fp32; a row of `width` values is
 [..., width] of `dtype(fmt)`, `row_bytes(width, fmt)` bytes.
 
-Packed formats (the official release's numerics; not wired into the pools yet)
-----------------------------------------------------------------------------------
+Every stored array of the cache has one `RowCodec` (format, width, RoPE dims), given by
+`codec(model, geometry, name)` for the Classical pools and the window ring ("csa" C4 entries
+and "hca" C128 entries in `entry_dtype`, "csa_index" indexer keys in `index_dtype`,
+"window" in `window_dtype`); the compressor tails are float formats (`tail_dtype`). Its
+`encode` is the one write path and its `decode` the one read path of the jnp reference.
+
+Packed formats (the official release's numerics)
+-------------------------------------------------
 A packed row is [..., stored_width(width, fmt, rope_dim)] of uint32 words (32-bit lanes, so a
 TPU pool never holds a byte array; a pool may further view a page of rows as 128-wide lanes).
 Bytes are numbered inside a word little-endian: byte j of word w is `(w >> 8 j) & 0xFF`, so a
@@ -77,12 +83,15 @@ fake-quantisation, `act_quant` with power-of-two scales):
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from v4kv_jax.config import STORAGE_FORMATS
+from v4kv_jax import checks
+from v4kv_jax.config import STORAGE_FORMATS, AttentionConfig, CacheConfig
 
 PACKED_FORMATS = ("fp8_latent", "fp4_index")
 FORMATS = STORAGE_FORMATS + PACKED_FORMATS
@@ -290,7 +299,102 @@ def decode_fp4_key(packed: jax.Array, width: int) -> jax.Array:
     return q * _per_block(scales, FP4_BLOCK)
 
 
-__all__ = ["AMAX_FLOOR", "FORMATS", "FP4_AMAX_FLOOR", "FP4_BLOCK", "FP4_MAX", "FP8_BLOCK",
-           "FP8_MAX", "PACKED_FORMATS", "decode", "decode_fp4_key", "decode_fp8_latent", "dtype",
-           "encode", "encode_fp4_key", "encode_fp8_latent", "hadamard", "row_bytes",
-           "stored_width"]
+# --- one stored array's rows -------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RowCodec:
+    """How rows of `width` values are stored in format `fmt` (`rope_dim`: the last RoPE dims,
+    used by fp8_latent only). Hashable, so it can be a static argument.
+
+    `encode(f32 [..., width]) -> stored [..., stored_width]` and `decode(stored) -> f32
+    [..., width]`. For "fp4_index" `decode` gives the ROTATED key, hadamard(k) dequantised
+    (what the indexer scores against a query prepared the same way); `decode_unrotated`
+    turns it back (`hadamard` is its own inverse) for inspection.
+    """
+
+    fmt: str
+    width: int
+    rope_dim: int = 0
+
+    def __post_init__(self):
+        stored_width(self.width, self.fmt, self.rope_dim)  # raises for an impossible row
+
+    @property
+    def packed(self) -> bool:
+        return self.fmt in PACKED_FORMATS
+
+    @property
+    def stored_width(self) -> int:
+        return stored_width(self.width, self.fmt, self.rope_dim)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return dtype(self.fmt)
+
+    @property
+    def row_bytes(self) -> int:
+        return row_bytes(self.width, self.fmt, self.rope_dim)
+
+    def encode(self, values: jax.Array) -> jax.Array:
+        """Stored rows of `values` [..., width] (any float dtype)."""
+        if self.fmt == "fp8_latent":
+            return encode_fp8_latent(values, self.rope_dim)
+        if self.fmt == "fp4_index":
+            return encode_fp4_key(values)
+        return jnp.asarray(values).astype(self.dtype)
+
+    def decode(self, stored: jax.Array) -> jax.Array:
+        """f32 [..., width] of stored rows (fp4_index: the rotated key)."""
+        if self.fmt == "fp8_latent":
+            return decode_fp8_latent(stored, self.width, self.rope_dim)
+        if self.fmt == "fp4_index":
+            return decode_fp4_key(stored, self.width)
+        return stored.astype(jnp.float32)
+
+    def decode_unrotated(self, stored: jax.Array) -> jax.Array:
+        """f32 [..., width] in the basis the values were written in (fp4_index: the rotation
+        undone; otherwise `decode`)."""
+        values = self.decode(stored)
+        return hadamard(values) if self.fmt == "fp4_index" else values
+
+    def filled(self, value: float) -> jax.Array:
+        """One stored row whose every value decodes to `value` (NaN: all words 0xFFFFFFFF in
+        a packed format, which decode to NaN in every dim); used to poison unowned rows."""
+        if self.packed and np.isnan(value):
+            return jnp.full((self.stored_width,), 0xFFFFFFFF, jnp.uint32)
+        return self.encode(jnp.full((self.width,), value, jnp.float32))
+
+
+# The field of `CacheConfig` that sets each stored array's format.
+FORMAT_FIELDS = {"csa": "entry_dtype", "hca": "entry_dtype", "csa_index": "index_dtype",
+                 "window": "window_dtype"}
+
+
+def codec(model: AttentionConfig, geometry: CacheConfig, name: str) -> RowCodec:
+    """The `RowCodec` of a stored array: "csa" (C4 entries), "hca" (C128 entries),
+    "csa_index" (indexer keys) or "window" (the window ring).
+
+    Raises ValueError naming the `CacheConfig` field when the model's widths do not fit the
+    format (fp8_latent: head_dim - rope_dim a positive multiple of 64; fp4_index: a
+    power-of-two index_head_dim >= 32)."""
+    checks.one_of("name", name, tuple(FORMAT_FIELDS))
+    field = FORMAT_FIELDS[name]
+    fmt = getattr(geometry, field)
+    width = model.index_head_dim if name == "csa_index" else model.head_dim
+    try:
+        return RowCodec(fmt, width, model.rope_dim if fmt == "fp8_latent" else 0)
+    except ValueError as err:
+        what = (f"index_head_dim={model.index_head_dim}" if name == "csa_index"
+                else f"head_dim={model.head_dim} and rope_dim={model.rope_dim}")
+        checks.fail(field, f"a format that rows of {what} fit ({err})", repr(fmt))
+
+
+def tail_codec(geometry: CacheConfig, width: int) -> RowCodec:
+    """The `RowCodec` of compressor tail rows of `width` values (a float format)."""
+    return RowCodec(geometry.tail_dtype, width)
+
+
+__all__ = ["AMAX_FLOOR", "FORMATS", "FORMAT_FIELDS", "FP4_AMAX_FLOOR", "FP4_BLOCK", "FP4_MAX",
+           "FP8_BLOCK", "FP8_MAX", "PACKED_FORMATS", "RowCodec", "codec", "decode",
+           "decode_fp4_key", "decode_fp8_latent", "dtype", "encode", "encode_fp4_key",
+           "encode_fp8_latent", "hadamard", "row_bytes", "stored_width", "tail_codec"]

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels import formats
 from pallas_kernels.common import (
     check_power_of_two,
     lane_frequencies,
@@ -28,6 +29,10 @@ from pallas_kernels.common import (
 )
 from pallas_kernels.compressor.blocks import BlockSizes
 from pallas_kernels.compressor.pooling import softmax_pool
+
+# Packed pool formats this kernel encodes itself: none yet (`v4kv_jax.ops` routes emission
+# into packed pools to the reference).
+WRITES_PACKED = ()
 
 # Tiles of [blocks, slots, 32 channels] with blocks * slots <= 128 (4K values per gather).
 DEFAULT_BLOCK_SIZES = BlockSizes(blocks_per_step=64, slot_rows_per_step=128, channels_per_step=32)
@@ -106,13 +111,20 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "overlap", "eps", "block_sizes",
-                                             "interpret", "num_warps", "num_stages"),
+                                             "interpret", "num_warps", "num_stages",
+                                             "entry_format", "rope_dim"),
                    donate_argnames=("pool",))
 def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate, start, n_new,
                  norm, inv_freq, *, ratio: int, overlap: bool, eps: float,
                  block_sizes: BlockSizes | None = None, interpret: bool = False,
-                 num_warps: int = 4, num_stages: int = 1):
-    """Same contract as `pallas_kernels.compressor.tpu.emit_entries`."""
+                 num_warps: int = 4, num_stages: int = 1, entry_format: str = "float",
+                 rope_dim: int = 0):
+    """Same contract as `pallas_kernels.compressor.tpu.emit_entries`, for float pools only
+    (`WRITES_PACKED`)."""
+    if entry_format in formats.PACKED:
+        raise ValueError(f"entry_format={entry_format!r}: the GPU compressor kernel writes "
+                         f"float pools only")
+    del rope_dim
     n, batch, tokens, _ = kv.shape
     width = pool.shape[-1]
     lane_freq = lane_frequencies(inv_freq, width)

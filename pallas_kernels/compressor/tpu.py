@@ -6,13 +6,15 @@ Inputs stay in HBM (`pl.ANY`). For each block that completes, its slot rows are 
 VMEM as runs of m rows (one half of a CSA row each): a run inside the chunk or inside the
 tail ring is one copy, the one run that straddles the chunk start is copied row by row.
 Pooling, RMSNorm and RoPE run on all blocks of the step at once ([blocks, slots, width]);
-each entry is then copied to its page and row of the pool, which is aliased to the output
+each entry (encoded in the kernel when the pool is packed, `formats.encode_tpu`) is then
+copied to its page and row of the pool, which is aliased to the output
 (in place when the caller donates it). Steps whose first block does not complete do nothing.
 
 Layout:
   kv, gate        [n, B, T, in_width]           the chunk (gate biased), read
   tail kv, gate   [n_kind, max_slots, ring, in_width]   ring before the chunk, read
-  pool            [n_kind, num_pages, P // m, width]    written row by row
+  pool            [n_kind, num_pages, P // m, S]        written row by row (S: width, or
+                                                        the packed row's words)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import formats
 from pallas_kernels.common import (
     lane_frequencies,
     rotate_lanes,
@@ -33,17 +36,21 @@ from pallas_kernels.common import (
 from pallas_kernels.compressor.blocks import BlockSizes
 from pallas_kernels.compressor.pooling import softmax_pool
 
+# Packed pool formats this kernel encodes itself (`v4kv_jax.ops` routes the others to the
+# reference).
+WRITES_PACKED = ("fp8_latent", "fp4_index")
+
 
 def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, freq_ref, kv_hbm,
             gate_hbm, ring_kv_hbm, ring_gate_hbm, pool_in_hbm, pool_hbm, ring_a, ring_z,
             chunk_a, chunk_z, out_buf, in_sem, out_sem, *, ratio: int, overlap: bool,
-            blocks_per_step: int, max_pages: int, eps: float):
+            blocks_per_step: int, max_pages: int, eps: float, entries: formats.Layout):
     del pool_in_hbm  # aliased to pool_hbm
     li, b, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, slot = layers_ref[li], slot_ref[b]
     start = start_ref[b]
     end = start + n_new_ref[b]
-    m, width = ratio, out_buf.shape[-1]
+    m, width = ratio, entries.width
     ring = 2 * m if overlap else m
     epp = pool_hbm.shape[2]
     block0 = jax.lax.div(start, m) + t * blocks_per_step
@@ -140,21 +147,26 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
         y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
         y = y * norm_ref[...]
         angle = (block[:, 0] * m).astype(jnp.float32) * freq_ref[...]
-        entries = rotate_lanes(y, swap_pairs_tpu(y), angle)
-        out_buf[...] = entries.astype(out_buf.dtype)
+        rows = rotate_lanes(y, swap_pairs_tpu(y), angle)
+        if entries.packed:
+            out_buf[...] = formats.encode_tpu(entries, rows)
+        else:
+            out_buf[...] = rows.astype(out_buf.dtype)
         each_done_block(lambda g: write(g, "start"))
         each_done_block(lambda g: write(g, "wait"))
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "overlap", "eps", "block_sizes",
-                                             "interpret"), donate_argnames=("pool",))
+                                             "interpret", "entry_format", "rope_dim"),
+                   donate_argnames=("pool",))
 def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate, start, n_new,
                  norm, inv_freq, *, ratio: int, overlap: bool, eps: float,
-                 block_sizes: BlockSizes | None = None, interpret: bool = False):
+                 block_sizes: BlockSizes | None = None, interpret: bool = False,
+                 entry_format: str = "float", rope_dim: int = 0):
     """Pools every block the chunk completes and writes its entry into the pool, in place.
 
     Args:
-      pool: [n_kind, num_pages, P // m, width] (donated; aliased to the result).
+      pool: [n_kind, num_pages, P // m, S] (donated; aliased to the result).
       page_rows: i32[B, max_pages_per_seq] of the batch's slots.
       layers: i32[n] indices into the kind's stack.
       tail_kv, tail_gate: [n_kind, max_slots, ring, in_width], the rings before the chunk.
@@ -162,12 +174,18 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
       kv, gate: [n, B, T, in_width] the chunk (gate biased by ape), read as fp32.
       norm: f32[n, width]; inv_freq: f32[r // 2] RoPE frequencies (`rope.inv_frequencies`).
       ratio, overlap, eps: the compressor's m, overlap (CSA) and RMSNorm epsilon.
+      entry_format: the pool's storage format: a float dtype name (entries rounded to the
+        pool's dtype) or "fp8_latent" / "fp4_index" (uint32 rows encoded in the kernel bit
+        for bit as `storage.encode_*` encodes the same fp32 entry; fp4_index rotates first);
+        rope_dim: r, the RoPE dims fp8_latent keeps in bf16.
 
     Returns:
       The pool with the entries of completed blocks written (absent pages are skipped).
     """
     n, batch, tokens, _ = kv.shape
-    width = pool.shape[-1]
+    width = norm.shape[-1]
+    entries = formats.layout(entry_format, width, rope_dim, "tpu")
+    formats.check_stored(entries, pool, "pool")
     lane_freq = lane_frequencies(inv_freq, width)
     slots = 2 * ratio if overlap else ratio
     blocks = -(-tokens // ratio)
@@ -175,7 +193,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
     per_step = bs.blocks_per_step
     steps = -(-blocks // per_step)
     kernel = functools.partial(_kernel, ratio=ratio, overlap=overlap, blocks_per_step=per_step,
-                               max_pages=page_rows.shape[1], eps=eps)
+                               max_pages=page_rows.shape[1], eps=eps, entries=entries)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_scalars = 5
     return pl.pallas_call(
@@ -191,7 +209,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
                             pltpu.VMEM((per_step, slots, width), tail_gate.dtype),
                             pltpu.VMEM((per_step, slots, width), kv.dtype),
                             pltpu.VMEM((per_step, slots, width), gate.dtype),
-                            pltpu.VMEM((per_step, width), pool.dtype),
+                            pltpu.VMEM((per_step, pool.shape[-1]), pool.dtype),
                             pltpu.SemaphoreType.DMA(()),
                             pltpu.SemaphoreType.DMA(())],
         ),

@@ -4,12 +4,13 @@ Grid: one program per slot. Scalar-prefetched: the layer indices, query position
 lengths, slot ids (they pick the window ring block) and the page table. The C128 pool stays
 in HBM (`pl.ANY`); the pages holding the visible entries are copied `pages_per_block` at a
 time into a double-buffered VMEM block (the next block in flight while the current one is
-folded), so the work follows the slot's length, not the page-table capacity. The held pages
-of a row are a prefix of it (`v4kv_jax.paging`), so entry i < visible lies on a held page.
+decoded and folded), so the work follows the slot's length, not the page-table capacity.
+The held pages of a row are a prefix of it (`v4kv_jax.paging`), so entry i < visible lies on
+a held page. Outputs are written as planes; XLA puts them in natural order and de-rotates.
 
 Layout read:
-  window  [n_layers, max_slots, W, hd]      block (layer, slot) through the index map
-  c128    [n_hca, num_pages, P // m', hd]   page copies
+  window  [n_layers, max_slots, W, S]      block (layer, slot) through the index map
+  c128    [n_hca, num_pages, P // m', S]   page copies (S: hd, or the packed row's words)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode, tpu_pipeline
+from pallas_kernels import decode, formats, tpu_pipeline
 from pallas_kernels.common import (
     lane_frequencies,
     layer_index,
@@ -30,10 +31,13 @@ from pallas_kernels.common import (
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
 
-def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, q_ref, sink_ref, freq_ref,
-            window_ref, c128_hbm, o_ref, buf, sems, *, pages_per_block: int,
-            entries_per_page: int, max_pages: int, ratio: int, window: int, scale: float):
+def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
+            groups: decode.KeyGroups, pages_per_block: int, entries_per_page: int,
+            max_pages: int, ratio: int, window: int, scale: float):
     del slot_ref  # consumed by the window block's index map
+    n = len(groups.layouts)
+    q_refs, (sink_ref, window_ref, c128_hbm) = refs[:n], refs[n:n + 3]
+    o_refs, (buf, sems) = refs[n + 3:2 * n + 3], refs[2 * n + 3:]
     b = pl.program_id(0)
     layer = layers_ref[1]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
@@ -45,68 +49,81 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, q_ref, sink_
         table_ref, b, c128_hbm, layer, buf, sems, num_pages=num_pages,
         pages_per_block=pages_per_block, entries_per_page=entries_per_page, max_pages=max_pages)
 
-    q = q_ref[...].astype(jnp.float32)
-    state = decode.fold_window(decode.sink_state(q, sink_ref[...]), q, window_ref[...], q_pos,
-                               kv_end, window, scale)
+    q = groups.load_queries(q_refs)
+    gw, ge = groups.window, groups.entries
+    ring = formats.decode_tpu(groups.layouts[gw], window_ref[...])
+    state = decode.fold_window(decode.sink_state(groups, sink_ref[...]), q[gw], ring, q_pos,
+                               kv_end, window, scale, group=gw)
     block_entries = pages_per_block * entries_per_page
 
     def body(j, slot, state):
         first = j * block_entries
         rows = first + jax.lax.broadcasted_iota(jnp.int32, (block_entries, 1), 0) < visible
         lanes = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_entries), 1) < visible
-        keys = jnp.where(rows, buf[slot].astype(jnp.float32), 0.0)
-        return decode.fold(state, q, keys, lanes, scale)
+        keys = [jnp.where(rows, k, 0.0)
+                for k in formats.decode_tpu(groups.layouts[ge], buf[slot])]
+        return decode.fold(state, q[ge], keys, lanes, scale, ge)
 
-    _, denom, acc = tpu_pipeline.double_buffered(num_blocks, start, wait, body, state)
-    tpu_pipeline.write_output(o_ref, denom, acc, q_pos, freq_ref)
+    state = tpu_pipeline.double_buffered(num_blocks, start, wait, body, state)
+    tpu_pipeline.write_output(o_refs, state)
 
 
-@functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret",
+                                             "entry_format", "window_format", "rope_dim"))
 def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128,
                            c128_layer, page_rows, inv_freq, *, ratio: int,
-                           block_sizes: BlockSizes | None = None, interpret: bool = False):
+                           block_sizes: BlockSizes | None = None, interpret: bool = False,
+                           entry_format: str = "float", window_format: str = "float",
+                           rope_dim: int = 0):
     """One decode query per slot over its window and every visible C128 entry.
 
     Args:
       q: f32[B, H, hd] queries (RoPE applied). sink: f32[H].
-      window: [n_layers, max_slots, W, hd] the window rings; window_layer: global layer.
+      window: [n_layers, max_slots, W, S] the window rings as stored; window_layer: global
+        layer.
       slot_ids, q_pos, kv_end: i32[B] slot, query position and sequence length per row.
-      c128: [n_hca, num_pages, P // m', hd]; c128_layer: index in the HCA stack.
+      c128: [n_hca, num_pages, P // m', S] as stored; c128_layer: index in the HCA stack.
       page_rows: i32[B, max_pages_per_seq].
       inv_freq: f32[r // 2], the RoPE frequencies of the layer kind (`rope.inv_frequencies`).
       ratio: m'. Entries i < min((q_pos + 1) // m', kv_end // m') are read.
+      entry_format, window_format, rope_dim: as `sparse_decode_attention`.
 
     Returns:
       f32[B, H, hd], de-rotated by -q_pos.
     """
     batch, heads, dim = q.shape
-    _, _, window_len, _ = window.shape
+    _, _, window_len, window_width = window.shape
     lane_freq = lane_frequencies(inv_freq, dim)
+    groups = decode.KeyGroups.of(formats.layout(window_format, dim, rope_dim, "tpu"),
+                                 formats.layout(entry_format, dim, rope_dim, "tpu"))
+    formats.check_stored(groups.layouts[groups.window], window, "window")
+    formats.check_stored(groups.layouts[groups.entries], c128, "c128")
     epp, max_pages = c128.shape[2], page_rows.shape[1]
     bs = (block_sizes or BlockSizes()).clamped(max_pages * epp, heads)
     ppb = min(bs.pages_per_block(epp), max_pages)
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c128_layer)])
 
     kernel = functools.partial(
-        _kernel, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages, ratio=ratio,
-        window=window_len, scale=dim**-0.5)
-    return pl.pallas_call(
+        _kernel, groups=groups, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages,
+        ratio=ratio, window=window_len, scale=dim**-0.5)
+    outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(batch,),
             in_specs=[
-                *tpu_pipeline.query_window_specs(heads, dim, window_len),
+                *tpu_pipeline.query_window_specs(groups, heads, window_len, window_width),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=tpu_pipeline.per_row((heads, dim)),
-            scratch_shapes=[pltpu.VMEM((2, ppb * epp, dim), c128.dtype),
+            out_specs=tpu_pipeline.output_specs(groups, heads),
+            scratch_shapes=[pltpu.VMEM((2, ppb * epp, c128.shape[-1]), c128.dtype),
                             pltpu.SemaphoreType.DMA((2,))],
         ),
-        out_shape=jax.ShapeDtypeStruct((batch, heads, dim), jnp.float32),
+        out_shape=tpu_pipeline.output_shapes(groups, batch, heads),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
         name="v4kv_hca_dense_decode_attention",
     )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
-      page_rows.astype(jnp.int32).reshape(-1), q.astype(jnp.float32),
-      sink.astype(jnp.float32).reshape(heads, 1), lane_freq, window, c128)
+      page_rows.astype(jnp.int32).reshape(-1), *groups.queries(q),
+      sink.astype(jnp.float32).reshape(heads, 1), window, c128)
+    return groups.output(outs, q_pos, lane_freq)

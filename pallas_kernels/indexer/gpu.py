@@ -2,9 +2,10 @@
 
 Grid: (slot, block of keys). A program whose block starts past the slot's visible keys does
 nothing (its part of the row is left as it was); the others gather their keys through the
-page table, `c4 index key = index_keys[layer, page_rows[slot, e // (P/m)], e % (P/m)]`, and
-score them with one matmul and a weighted sum of the ReLUs over the heads. Indexer heads are
-padded to a power of two, at least 16 (zero queries and weights add nothing), for Triton.
+page table, `c4 index key = index_keys[layer, page_rows[slot, e // (P/m)], e % (P/m)]`
+(packed fp4_index rows decoded into planes in registers, `formats.decode_gpu`), and score
+them with a matmul per plane and a weighted sum of the ReLUs over the heads. Indexer heads
+are padded to a power of two, at least 16 (zero queries and weights add nothing), for Triton.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import formats
 from pallas_kernels.common import (
     HIGHEST,
     MASK_VALUE,
@@ -25,6 +27,7 @@ from pallas_kernels.common import (
     next_power_of_two,
     triton_compiler_params,
 )
+from pallas_kernels.gpu_split_k import row_loader
 from pallas_kernels.indexer.blocks import BlockSizes
 
 # One program scores 128 keys: a [nI, 128] score tile stays in registers.
@@ -32,7 +35,8 @@ DEFAULT_BLOCK_SIZES = BlockSizes(entries_per_block=128)
 
 
 def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_ref, scores_ref, *,
-            block: int, entries_per_page: int, max_pages: int, ratio: int, heads: int):
+            keys: formats.Layout, block: int, entries_per_page: int, max_pages: int, ratio: int,
+            heads: int):
     b, j = pl.program_id(0), pl.program_id(1)
     visible = jnp.minimum((q_pos_ref[b] + 1) // ratio, kv_end_ref[b] // ratio)
 
@@ -41,23 +45,28 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_ref,
         entry = j * block + jnp.arange(block, dtype=jnp.int32)
         page = table_ref[b, jnp.minimum(entry // entries_per_page, max_pages - 1)]
         valid = (entry < visible) & (page >= 0)
-        keys = keys_ref[layer_ref[0], jnp.maximum(page, 0), entry % entries_per_page, :]
-        q = q_ref[...].astype(jnp.float32)
-        dots = jax.lax.dot_general(q, keys.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                   precision=HIGHEST, preferred_element_type=jnp.float32)
-        relu = jnp.maximum(dots, 0.0) * q.shape[1] ** -0.5
+        load = row_loader(keys_ref, (layer_ref[0],),
+                          (jnp.maximum(page, 0), entry % entries_per_page))
+        dots = None
+        for plane, kj in enumerate(formats.decode_gpu(keys, load)):
+            part = jax.lax.dot_general(q_ref[plane], kj, (((1,), (1,)), ((), ())),
+                                       precision=HIGHEST, preferred_element_type=jnp.float32)
+            dots = part if dots is None else dots + part
+        relu = jnp.maximum(dots, 0.0) * keys.width ** -0.5
         weights = w_ref[...].astype(jnp.float32) * heads**-0.5
         scores = jnp.sum(weights * relu, axis=0)
         scores_ref[...] = jnp.where(valid, scores, MASK_VALUE)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "index_format"))
 def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end, *,
                  ratio: int, block_sizes: BlockSizes | None = None, interpret: bool = False,
-                 num_warps: int = 4, num_stages: int = 2):
+                 num_warps: int = 4, num_stages: int = 2, index_format: str = "float"):
     """Same contract as `pallas_kernels.indexer.tpu.index_scores`."""
     batch, heads, dim = index_q.shape
+    keys = formats.layout(index_format, dim, 0, "gpu")
+    formats.check_stored(keys, index_keys, "index_keys")
     epp, max_pages = index_keys.shape[2], page_rows.shape[1]
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(max_pages * epp)
     block = max(bs.entries_per_block, MIN_DOT)
@@ -65,6 +74,7 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
     check_power_of_two(index_head_dim=dim, entries_per_block=block,
                        index_heads_padded=padded_heads)
     q = jnp.pad(index_q.astype(jnp.float32), ((0, 0), (0, padded_heads - heads), (0, 0)))
+    q = jnp.moveaxis(formats.to_planes(keys, q), -2, 1)  # [B, n_planes, heads, plane_width]
     w = jnp.pad(index_weights.astype(jnp.float32), ((0, 0), (0, padded_heads - heads)))
     blocks = -(-(max_pages * epp) // block)
 
@@ -73,13 +83,14 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
 
     scalars = (layer_index(layer), q_pos.astype(jnp.int32), kv_end.astype(jnp.int32),
                page_rows.astype(jnp.int32))
-    kernel = functools.partial(_kernel, block=block, entries_per_page=epp, max_pages=max_pages,
-                               ratio=ratio, heads=heads)
+    kernel = functools.partial(_kernel, keys=keys, block=block, entries_per_page=epp,
+                               max_pages=max_pages, ratio=ratio, heads=heads)
     scores = pl.pallas_call(
         kernel,
         grid=(batch, blocks),
         in_specs=[*(whole(x) for x in scalars),
-                  pl.BlockSpec((None, padded_heads, dim), lambda b, j: (b, 0, 0)),
+                  pl.BlockSpec((None, keys.n_planes, padded_heads, keys.plane_width),
+                               lambda b, j: (b, 0, 0, 0)),
                   pl.BlockSpec((None, padded_heads, 1), lambda b, j: (b, 0, 0)),
                   whole(index_keys)],
         out_specs=pl.BlockSpec((None, block), lambda b, j: (b, j)),

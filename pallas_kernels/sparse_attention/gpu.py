@@ -2,9 +2,11 @@
 
 Grid: (slot, head block, split). A program folds the window ring (split 0 only) and its
 share of the top-k picks, `picks_per_block` at a time: the picks' pages come from the page
-table row and each tile of C4 rows is one gathered load `c4[layer, page[:], row[:], :]`.
-Programs write partial softmax states (acc, max, sum); XLA merges the splits with the sink
-and de-rotates the output (a lane-pair exchange has no Triton equivalent in Pallas).
+table row and each tile of C4 rows is gathered straight from the pool as stored (packed rows
+are decoded into planes in registers, `formats.decode_gpu`). Programs write partial softmax
+states (accumulator planes, max, sum); XLA merges the splits with the sink, puts the planes
+back in natural order and de-rotates the output (a lane-pair exchange has no Triton
+equivalent in Pallas).
 
 Triton tensors have power-of-two shapes, and its matmul at least 16 rows and columns: heads
 and picks are padded (zero queries, -1 picks) up to the block sizes.
@@ -18,80 +20,82 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import decode
+from pallas_kernels import decode, formats, gpu_split_k
 from pallas_kernels.common import (
-    MASK_VALUE,
     MIN_DOT,
     check_power_of_two,
     lane_frequencies,
     layer_index,
     present_picks,
 )
-from pallas_kernels.gpu_split_k import split_k_decode
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 # Triton keeps tiles in registers: 32 rows of hd = 512 per tile; 4 splits of the k picks.
 DEFAULT_BLOCK_SIZES = BlockSizes(picks_per_block=32, heads_per_block=16, num_splits=4)
 
 
-def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, picks_ref, q_ref,
-            window_ref, c4_ref, acc_ref, m_ref, l_ref, *, block: int, num_splits: int,
-            entries_per_page: int, window: int, window_block: int, scale: float):
+def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, picks_ref, *refs,
+            groups: decode.KeyGroups, block: int, num_splits: int, entries_per_page: int,
+            window: int, window_block: int, scale: float):
+    n = len(groups.layouts)
+    q_refs, (window_ref, c4_ref), out_refs = refs[:n], refs[n:n + 2], refs[n + 2:]
     b, split = pl.program_id(0), pl.program_id(2)
-    q = q_ref[...].astype(jnp.float32)
-    heads = q.shape[0]
+    q = groups.load_queries(q_refs)
+    heads = q[0][0].shape[0]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
-    state = (jnp.full((heads, 1), MASK_VALUE, jnp.float32), jnp.zeros((heads, 1), jnp.float32),
-             jnp.zeros(q.shape, jnp.float32))
-
-    def fold_window(state):
-        for first in range(0, window, window_block):  # tiles of the ring, not all W rows
-            ring = window_ref[layers_ref[0], slot_ref[b], pl.ds(first, window_block), :]
-            state = decode.fold_window(state, q, ring, q_pos, kv_end, window, scale, first)
-        return state
-
-    state = jax.lax.cond(split == 0, fold_window, lambda s: s, state)
+    state = gpu_split_k.empty_state(groups, heads)
+    state = jax.lax.cond(
+        split == 0,
+        lambda s: gpu_split_k.fold_window(s, groups, q, window_ref, layers_ref[0], slot_ref[b],
+                                          q_pos, kv_end, window=window,
+                                          window_block=window_block, scale=scale),
+        lambda s: s, state)
 
     num_blocks = blocks_ref[b]
     per_split = (num_blocks + num_splits - 1) // num_splits
     first = split * per_split
     last = jnp.minimum(first + per_split, num_blocks)
     layer = layers_ref[1]
+    g = groups.entries
 
     def body(j, state):
         picks = picks_ref[b, pl.ds(j * block, block)]
         valid = picks >= 0
         pick = jnp.maximum(picks, 0)
         page = jnp.maximum(table_ref[b, pick // entries_per_page], 0)
-        keys = c4_ref[layer, page, pick % entries_per_page, :].astype(jnp.float32)
-        keys = jnp.where(valid[:, None], keys, 0.0)
-        return decode.fold(state, q, keys, valid[None, :], scale)
+        load = gpu_split_k.row_loader(c4_ref, (layer,), (page, pick % entries_per_page))
+        keys = formats.decode_gpu(groups.layouts[g], load)
+        keys = [jnp.where(valid[:, None], k, 0.0) for k in keys]
+        return decode.fold(state, q[g], keys, valid[None, :], scale, g)
 
-    m, denom, acc = jax.lax.fori_loop(first, last, body, state)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = denom
+    state = jax.lax.fori_loop(first, last, body, state)
+    gpu_split_k.write_state(state, out_refs[:n], *out_refs[n:])
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "entry_format", "window_format",
+                                             "rope_dim"))
 def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
                             c4_layer, page_rows, picks, inv_freq, *,
                             block_sizes: BlockSizes | None = None, interpret: bool = False,
-                            num_warps: int = 4, num_stages: int = 2):
+                            num_warps: int = 4, num_stages: int = 2,
+                            entry_format: str = "float", window_format: str = "float",
+                            rope_dim: int = 0):
     """Same contract as `pallas_kernels.sparse_attention.tpu.sparse_decode_attention`."""
     batch, heads, dim = q.shape
     _, _, window_len, _ = window.shape
     lane_freq = lane_frequencies(inv_freq, dim)
+    groups = decode.KeyGroups.of(formats.layout(window_format, dim, rope_dim, "gpu"),
+                                 formats.layout(entry_format, dim, rope_dim, "gpu"))
+    formats.check_stored(groups.layouts[groups.window], window, "window")
+    formats.check_stored(groups.layouts[groups.entries], c4, "c4")
     picks = present_picks(page_rows, picks, c4.shape[2])
     topk, epp = picks.shape[1], c4.shape[2]
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(topk, heads)
     block, bh = max(bs.picks_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)
     check_power_of_two(head_dim=dim, window=window_len,
                        picks_per_block=block, heads_per_block=bh)
-    padded_heads = -(-heads // bh) * bh
     padded = -(-topk // block) * block
-    q = jnp.pad(q.astype(jnp.float32), ((0, 0), (0, padded_heads - heads), (0, 0)))
     picks = jnp.pad(picks.astype(jnp.int32), ((0, 0), (0, padded - topk)), constant_values=-1)
     last = jnp.max(jnp.where(picks >= 0, jnp.arange(padded, dtype=jnp.int32) + 1, 0), axis=1)
     blocks = (last + block - 1) // block
@@ -100,10 +104,10 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
 
     scalars = (layers, slot_ids.astype(jnp.int32), q_pos.astype(jnp.int32),
                kv_end.astype(jnp.int32), blocks, page_rows.astype(jnp.int32), picks)
-    kernel = functools.partial(_kernel, block=block, num_splits=splits, entries_per_page=epp,
-                               window=window_len,
+    kernel = functools.partial(_kernel, groups=groups, block=block, num_splits=splits,
+                               entries_per_page=epp, window=window_len,
                                window_block=min(block, window_len), scale=dim**-0.5)
-    return split_k_decode(kernel, scalars, q, window, c4, sink, q_pos, lane_freq, heads=heads,
-                          heads_per_block=bh, num_splits=splits, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret,
-                          name="v4kv_csa_sparse_decode_attention_gpu")
+    return gpu_split_k.split_k_decode(
+        kernel, scalars, groups, q, window, c4, sink, q_pos, lane_freq, heads_per_block=bh,
+        num_splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+        name="v4kv_csa_sparse_decode_attention_gpu")

@@ -85,3 +85,44 @@ def assert_close(actual, expected, dtype: str, err_msg: str = ""):
     tol = TOLERANCE[dtype]
     np.testing.assert_allclose(np.asarray(actual, np.float32), np.asarray(expected, np.float32),
                                rtol=tol, atol=tol, err_msg=err_msg)
+
+
+# --- packed storage formats (issue 11) ------------------------------------------------------
+# Widths valid for fp8_latent (hd - r a multiple of 64: 3 scale blocks) and fp4_index (c >= 32,
+# 2 blocks), powers of two for the GPU kernels. Kernels read the packed pools; the reference
+# reads the same pools decoded by `v4kv_jax.storage`, so both see the same values.
+PACKED_WIDTHS = dict(head_dim=256, rope_dim=64, index_head_dim=64)
+PACKED_PAGE_TOKENS = 128
+
+
+def packed_model(heads: int, **overrides) -> v4.AttentionConfig:
+    return model_for(heads, **PACKED_WIDTHS, **overrides)
+
+
+@functools.cache
+def packed_cache():
+    """(cache, packed, decoded): a random fp32 cache at `PACKED_WIDTHS` (unused pages NaN), its
+    pools packed ("csa", "hca", "window": fp8_latent; "csa_index": fp4_index of keys taken as
+    already rotated) and those packed pools decoded back to fp32."""
+    from v4kv_jax import pools, storage
+
+    model = packed_model(4)
+    r = model.rope_dim
+    cache = random_cache(model, PACKED_PAGE_TOKENS, "float32", lengths_for(PACKED_PAGE_TOKENS),
+                         seed=11)
+    floats = dict(csa=pools.entries(cache, "csa"), hca=pools.entries(cache, "hca"),
+                  window=pools.window_ring(cache))
+    packed = {k: storage.encode_fp8_latent(v, r) for k, v in floats.items()}
+    decoded = {k: storage.decode_fp8_latent(v, model.head_dim, r) for k, v in packed.items()}
+    packed["csa_index"] = storage.encode_fp4_key(pools.entries(cache, "csa_index"), rotated=True)
+    decoded["csa_index"] = storage.decode_fp4_key(packed["csa_index"], model.index_head_dim)
+    return cache, packed, decoded
+
+
+def kernel_function(folder: str, implementation: str, name: str):
+    """The kernel entry point of `implementation` (called directly with packed pools and
+    their formats as keyword arguments)."""
+    import importlib
+
+    backend = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[implementation]
+    return getattr(importlib.import_module(f"pallas_kernels.{folder}.{backend}"), name)

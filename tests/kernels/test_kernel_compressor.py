@@ -8,11 +8,22 @@ import types
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_cases import IMPLEMENTATIONS, INTERPRET, LONG, STORED_TOLERANCE, model_for, random_cache
+from kernel_cases import (
+    IMPLEMENTATIONS,
+    INTERPRET,
+    LONG,
+    PACKED_PAGE_TOKENS,
+    STORED_TOLERANCE,
+    model_for,
+    packed_model,
+    random_cache,
+)
 
+import v4kv_jax as v4
 from pallas_kernels.compressor import BlockSizes
-from v4kv_jax import ops, pools
+from v4kv_jax import ops, pools, storage
 from v4kv_jax.layout import compressor_specs
+from v4kv_jax.testing import synthetic
 
 CASES = [(128, "float32", "prefill"), (256, "bfloat16", "prefill"), (128, "bfloat16", "decode"),
          (256, "float32", "decode")]
@@ -84,3 +95,70 @@ def test_emitted_entries_match_reference(case, implementation):
                                    rtol=rtol, atol=atol, err_msg=name)
         written += int(rows.sum())
     assert written >= (8 if case.mode == "decode" else 100)
+
+
+def _decoded(pool, codec):
+    return np.asarray(codec.decode(jnp.asarray(pool)))
+
+
+@pytest.fixture(scope="module")
+def packed_case():
+    """Prefill into fp8_latent C4 / C128 pools and fp4_index indexer keys (raw HCA ring)."""
+    model = packed_model(4)
+    rng = np.random.default_rng(5)
+    starts = np.asarray([0, 3, 127, 129, LONG])
+    tokens = 37
+    n_new = np.asarray([tokens, tokens, 20, 1, tokens])
+    lengths = starts + n_new
+    need = -(-lengths // PACKED_PAGE_TOKENS)
+    geometry = v4.CacheConfig(
+        num_pages=int(need.sum()) + 2, max_slots=len(lengths) + 1,
+        max_pages_per_seq=int(need.max()) + 1, page_tokens=PACKED_PAGE_TOKENS,
+        entry_dtype="fp8_latent", index_dtype="fp4_index", window_dtype="float32",
+        tail_dtype="float32", hca_tail="ring")
+    cache = synthetic.random_cache(model, geometry, lengths, seed=3, fill_unused=float("nan"))
+    batch = len(starts)
+    common = dict(page_rows=cache.pages.page_table[:batch], slot_ids=jnp.arange(batch),
+                  start=jnp.asarray(starts, jnp.int32), n_new=jnp.asarray(n_new, jnp.int32))
+    runs = []
+    for spec in compressor_specs(model):
+        n = len(model.layers_of(spec.kind))
+        kv, gate = (jnp.asarray(rng.standard_normal((n, batch, tokens, spec.in_width)),
+                                jnp.float32) for _ in range(2))
+        tail = pools.tail(cache, spec.name)
+        x = dict(pool=pools.entries(cache, spec.name), layers=jnp.arange(n, dtype=jnp.int32),
+                 tail_kv=tail.kv, tail_gate=tail.gate, kv=kv, gate=gate,
+                 norm=jnp.asarray(1 + 0.1 * rng.standard_normal((n, spec.width)), jnp.float32))
+        runs.append((spec, x))
+
+    def emit(spec, x, **kw):
+        return np.asarray(ops.emit_entries(spec, model, geometry, **{**x, **common,
+                                                                    "pool": jnp.copy(x["pool"])},
+                                           **kw))
+
+    want = [emit(spec, x, implementation="reference") for spec, x in runs]
+    return types.SimpleNamespace(model=model, geometry=geometry, runs=runs, emit=emit,
+                                 want=want)
+
+
+@pytest.mark.parametrize("implementation", [i for i in IMPLEMENTATIONS if i == "pallas_tpu"])
+def test_emitted_entries_are_encoded_like_the_reference(packed_case, implementation):
+    """The kernel encodes its fp32 entry exactly as `storage` does (tests/kernels/
+    test_kernel_formats.py checks the encoder bit for bit), but its fp32 entry may differ from
+    the reference's in the last bits (pooling and norm sums in another order), so a code may
+    round the other way: words are mostly identical, decoded values within one fp8 / fp4 step
+    of the block's scale."""
+    c = packed_case
+    for (spec, x), want in zip(c.runs, c.want, strict=True):
+        codec = storage.codec(c.model, c.geometry, spec.name)
+        got = c.emit(spec, x, implementation=implementation, interpret=INTERPRET,
+                     block_sizes=BlockSizes(blocks_per_step=4))
+        before = np.asarray(x["pool"])
+        rows = (want != before).any(-1)
+        assert rows.sum() >= 10, spec.name
+        np.testing.assert_array_equal((got != before).any(-1), rows, err_msg=spec.name)
+        assert (got[rows] == want[rows]).mean() > 0.98, spec.name
+        got_values, want_values = _decoded(got[rows], codec), _decoded(want[rows], codec)
+        step = 2.0 ** -3 if spec.name != "csa_index" else 0.5  # e4m3 / e2m1 relative step
+        bound = step * np.abs(want_values) + 1e-6 * np.abs(want_values).max()
+        assert (np.abs(got_values - want_values) <= bound).all(), spec.name

@@ -11,10 +11,14 @@ from kernel_cases import (
     CASES,
     IMPLEMENTATIONS,
     INTERPRET,
+    PACKED_PAGE_TOKENS,
     assert_close,
     decode_positions,
+    kernel_function,
     lengths_for,
     model_for,
+    packed_cache,
+    packed_model,
     shared_cache,
 )
 
@@ -69,3 +73,40 @@ def test_index_scores_and_picks_match_reference(case, implementation):
         assert set(picks[b]) == set(case.picks[b]), f"row {b} (length {case.lengths[b]})"
         compared += 1
     assert compared >= len(want) - 1
+
+
+@pytest.fixture(scope="module")
+def packed_case():
+    """fp4_index keys; the query is taken as already rotated (ops prepares it)."""
+    model = packed_model(4, index_heads=16)
+    cache, packed, decoded = packed_cache()
+    lengths = lengths_for(PACKED_PAGE_TOKENS)
+    batch = len(lengths)
+    layer = model.layers_of(LayerKind.CSA)[1]
+    q_pos, kv_end = decode_positions(lengths)
+    queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=7).queries(
+        layer, np.zeros((batch, 1), int))
+    args = dict(layer=model.kind_index(layer), page_rows=cache.pages.page_table[:batch],
+                index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
+                q_pos=q_pos, kv_end=kv_end)
+    want = ops.index_scores(model, cache.geometry, index_keys=decoded["csa_index"],
+                            implementation="reference", **args)
+    return types.SimpleNamespace(model=model, args=args, packed=packed, want=np.asarray(want),
+                                 visible=np.minimum(q_pos + 1, kv_end) // 4)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_index_scores_read_fp4_index(packed_case, implementation):
+    c = packed_case
+    kernel = kernel_function("indexer", implementation, "index_scores")
+    got = np.asarray(kernel(c.args["index_q"], c.args["index_weights"], c.packed["csa_index"],
+                            c.args["layer"], c.args["page_rows"], c.args["q_pos"],
+                            c.args["kv_end"], ratio=c.model.csa_ratio,
+                            block_sizes=BlockSizes(entries_per_block=64), interpret=INTERPRET,
+                            index_format="fp4_index"))
+    width = min(c.want.shape[1], got.shape[1])
+    want, got = c.want[:, :width], got[:, :width]
+    candidates = np.isfinite(want)
+    np.testing.assert_array_equal(candidates.sum(1), c.visible)
+    np.testing.assert_array_equal(np.isfinite(got), candidates)
+    assert_close(got[candidates], want[candidates], "float32")

@@ -1,5 +1,6 @@
 """Every kernel lowers for its platform at V4 sizes (hd 512, r 64, 64 heads, W 128, c 128,
-k 512, P 256, bf16 storage): TPU kernels to Mosaic, GPU kernels to Triton IR.
+k 512, P 256; bf16 storage, and the read kernels also on the packed release formats):
+TPU kernels to Mosaic, GPU kernels to Triton IR.
 
 Lowering runs on CPU (cross-platform lowering), so CI catches a primitive, a block shape or a
 grid spec that the Mosaic or Triton lowering rejects. It does not run the Mosaic layout passes
@@ -25,7 +26,7 @@ from pallas_kernels.sparse_attention import tpu as sparse_tpu
 
 B, H, HD, W, NI, C, K = 4, 64, 512, 128, 64, 128, 512
 P, PAGES, MAX_PAGES, LAYERS, KIND_LAYERS, T = 256, 64, 32, 4, 2, 64
-BF16, F32, I32 = jnp.bfloat16, jnp.float32, jnp.int32
+BF16, F32, I32, U32 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.uint32
 
 
 def sds(shape, dtype):
@@ -38,37 +39,59 @@ ATTENTION = dict(q=sds((B, H, HD), F32), sink=sds((H,), F32),
 ROWS, FREQ = sds((B, MAX_PAGES), I32), sds((32,), F32)  # inv_freq of 64 RoPE dims
 
 
-def _sparse(module):
+# The release formats (issue 11): fp8_latent entries and window, fp4_index keys, as uint32 rows.
+FP8 = dict(entry_format="fp8_latent", window_format="fp8_latent", rope_dim=64)
+FP8_WORDS, FP4_WORDS = 146, 17
+
+
+def _attention(packed: bool) -> tuple:
+    if not packed:
+        return tuple(ATTENTION.values())
+    return tuple(dict(ATTENTION, window=sds((LAYERS, B, W, FP8_WORDS), U32)).values())
+
+
+def _sparse(module, packed=False):
+    width, dtype = (FP8_WORDS, U32) if packed else (HD, BF16)
     return module.sparse_decode_attention, (
-        *ATTENTION.values(), sds((KIND_LAYERS, PAGES, P // 4, HD), BF16), sds((), I32), ROWS,
-        sds((B, K), I32), FREQ), {}
+        *_attention(packed), sds((KIND_LAYERS, PAGES, P // 4, width), dtype), sds((), I32), ROWS,
+        sds((B, K), I32), FREQ), FP8 if packed else {}
 
 
-def _dense(module):
+def _dense(module, packed=False):
+    width, dtype = (FP8_WORDS, U32) if packed else (HD, BF16)
     return module.dense_decode_attention, (
-        *ATTENTION.values(), sds((KIND_LAYERS, PAGES, P // 128, HD), BF16), sds((), I32), ROWS,
-        FREQ), dict(ratio=128)
+        *_attention(packed), sds((KIND_LAYERS, PAGES, P // 128, width), dtype), sds((), I32),
+        ROWS, FREQ), dict(ratio=128, **(FP8 if packed else {}))
 
 
-def _indexer(module):
+def _indexer(module, packed=False):
+    width, dtype = (FP4_WORDS, U32) if packed else (C, BF16)
     return module.index_scores, (
-        sds((B, NI, C), F32), sds((B, NI), F32), sds((KIND_LAYERS, PAGES, P // 4, C), BF16),
-        sds((), I32), ROWS, sds((B,), I32), sds((B,), I32)), dict(ratio=4)
+        sds((B, NI, C), F32), sds((B, NI), F32), sds((KIND_LAYERS, PAGES, P // 4, width), dtype),
+        sds((), I32), ROWS, sds((B,), I32), sds((B,), I32)), dict(
+        ratio=4, **(dict(index_format="fp4_index") if packed else {}))
 
 
-def _compress(module, ratio, overlap):
+def _compress(module, ratio, overlap, packed=False):
     in_width = 2 * HD if overlap else HD
     ring = 2 * ratio if overlap else ratio
+    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS), U32) if packed else sds(
+        (KIND_LAYERS, PAGES, P // ratio, HD), BF16)
     return module.emit_entries, (
-        sds((KIND_LAYERS, PAGES, P // ratio, HD), BF16), ROWS, sds((KIND_LAYERS,), I32),
+        pool, ROWS, sds((KIND_LAYERS,), I32),
         sds((KIND_LAYERS, B, ring, in_width), F32), sds((KIND_LAYERS, B, ring, in_width), F32),
         sds((B,), I32), sds((KIND_LAYERS, B, T, in_width), F32),
         sds((KIND_LAYERS, B, T, in_width), F32), sds((B,), I32), sds((B,), I32),
-        sds((KIND_LAYERS, HD), F32), FREQ), dict(ratio=ratio, overlap=overlap, eps=1e-6)
+        sds((KIND_LAYERS, HD), F32), FREQ), dict(
+        ratio=ratio, overlap=overlap, eps=1e-6,
+        **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
 
 
 KERNELS = {
     "sparse": _sparse, "dense": _dense, "indexer": _indexer,
+    "sparse_fp8": functools.partial(_sparse, packed=True),
+    "dense_fp8": functools.partial(_dense, packed=True),
+    "indexer_fp4": functools.partial(_indexer, packed=True),
     "compress_csa": functools.partial(_compress, ratio=4, overlap=True),
     "compress_hca": functools.partial(_compress, ratio=128, overlap=False),
 }
@@ -78,6 +101,9 @@ MODULES = {
     "cuda": {"sparse": sparse_gpu, "dense": dense_gpu, "indexer": indexer_gpu,
              "compress_csa": compress_gpu, "compress_hca": compress_gpu},
 }
+for _backend in MODULES.values():
+    _backend.update({f"{name}_{fmt}": _backend[name] for name, fmt in
+                     (("sparse", "fp8"), ("dense", "fp8"), ("indexer", "fp4"))})
 
 
 @pytest.fixture
@@ -106,6 +132,11 @@ def _lower(fn, args, kwargs, platform):
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_tpu_kernels_lower_to_mosaic(kernel, tpu_lowering_target):
     fn, args, kwargs = KERNELS[kernel](MODULES["tpu"][kernel])
+    assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
+
+
+def test_tpu_compressor_writing_fp8_latent_lowers_to_mosaic(tpu_lowering_target):
+    fn, args, kwargs = _compress(compress_tpu, ratio=4, overlap=True, packed=True)
     assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
 
 

@@ -157,19 +157,29 @@ def topk_picks(config: AttentionConfig, h: LayerHistory, t: int, index_keys: np.
     return sorted(order[:k].tolist()), margin
 
 
-def attention_outputs(config: AttentionConfig, kind: LayerKind, h: LayerHistory, length: int
-                      ) -> tuple[np.ndarray, float]:
-    """Outputs of queries 0..length-1 of one layer: ([length, H, hd], smallest top-k margin)."""
+def attention_outputs(config: AttentionConfig, kind: LayerKind, h: LayerHistory, length: int,
+                      *, entries: np.ndarray | None = None,
+                      index_keys: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Outputs of queries 0..length-1 of one layer: ([length, H, hd], smallest top-k margin).
+
+    `entries` (C4 or C128, [length // m, hd]) and `index_keys` ([length // m, c]) replace the
+    compressed ones when given: e.g. entries as a storage format holds them, with the window
+    and the indexer queries of `h` fake-quantised to match (the indexer scores
+    h.index_q . index_keys whatever basis both are in).
+    """
     inv_freq = inv_frequencies(config, kind)
-    entries = index_keys = None
     if kind == LayerKind.CSA:
-        entries = compress(h.kv, h.gate, h.ape, h.norm, config.csa_ratio, True, inv_freq,
-                           config.rms_eps, length)
-        index_keys = compress(h.index_kv, h.index_gate, h.index_ape, h.index_norm,
-                              config.csa_ratio, True, inv_freq, config.rms_eps, length)
-    elif kind == LayerKind.HCA:
+        if entries is None:
+            entries = compress(h.kv, h.gate, h.ape, h.norm, config.csa_ratio, True, inv_freq,
+                               config.rms_eps, length)
+        if index_keys is None:
+            index_keys = compress(h.index_kv, h.index_gate, h.index_ape, h.index_norm,
+                                  config.csa_ratio, True, inv_freq, config.rms_eps, length)
+    elif kind == LayerKind.HCA and entries is None:
         entries = compress(h.kv, h.gate, h.ape, h.norm, config.hca_ratio, False, inv_freq,
                            config.rms_eps, length)
+    entries = None if entries is None else np.asarray(entries, np.float64)
+    index_keys = None if index_keys is None else np.asarray(index_keys, np.float64)
     window = np.asarray(h.window, np.float64)
     out = np.zeros((length, config.num_heads, config.head_dim))
     margin = np.inf

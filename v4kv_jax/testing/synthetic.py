@@ -138,14 +138,21 @@ class SyntheticBatch:
         return h
 
 
+# One compiled program per row format (a codec run op by op compiles each op on its own).
+_encode = jax.jit(lambda codec, values: codec.encode(values), static_argnums=0)
+_filled = jax.jit(lambda codec, value: codec.filled(value), static_argnums=(0, 1))
+
+
 def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: int = 0,
                  fill_unused: float = 0.0) -> Cache:
     """A cache whose slots 0..len(lengths)-1 hold `lengths` tokens of random content.
 
     Page tables, lengths, refcounts and the free stack are exactly what appending that many
     tokens leaves (slot b takes its pages after slot b-1); entries, windows and tails are
-    random normal, stored in the geometry's formats. Pages nobody holds are filled with
-    `fill_unused` (NaN exposes stray reads). Meant for benchmarks and kernel tests at long
+    random normal values encoded in the geometry's formats (online HCA tails: max normal,
+    sum uniform in [1, m'), weighted normal times the sum). Pages nobody holds are filled
+    with rows that decode to `fill_unused` (NaN: words 0xFFFFFFFF in packed formats; NaN
+    exposes stray reads). Meant for benchmarks and kernel tests at long
     contexts, where really appending would take minutes. Values are drawn with numpy (much
     faster on CPU than compiling a random program per array shape).
     """
@@ -168,18 +175,33 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
     free = np.arange(geometry.num_pages - 1, used - 1, -1, dtype=np.int32)
     rng = np.random.default_rng(seed)
 
-    def draw(x, unused_pages=False):
-        values = rng.standard_normal(x.shape).astype(np.float32)
+    def draw(x, codec=None, unused_pages=False):
+        """Random rows shaped like the stored array x, encoded by `codec` (None: x's dtype)."""
+        width = x.shape[-1] if codec is None else codec.width
+        values = rng.standard_normal((*x.shape[:-1], width)).astype(np.float32)
+        stored = jnp.asarray(values, x.dtype) if codec is None else _encode(codec, values)
         if unused_pages:
-            values[:, used:] = fill_unused
-        return jnp.asarray(values, x.dtype)
+            fill = (jnp.asarray(fill_unused, x.dtype) if codec is None
+                    else _filled(codec, fill_unused))
+            stored = stored.at[:, used:].set(fill)
+        return stored
 
     for spec in cache.specs:
+        codec = pools.codec(cache, spec.name)
         cache = pools.with_entries(cache, spec.name, draw(pools.entries(cache, spec.name),
-                                                          unused_pages=True))
-        cache = pools.with_tail(cache, spec.name,
-                                jax.tree.map(draw, pools.tail(cache, spec.name)))
-    cache = pools.with_window_ring(cache, draw(pools.window_ring(cache)))
+                                                          codec, unused_pages=True))
+        tail = pools.tail(cache, spec.name)
+        if pools.online_tail(geometry, spec.name):
+            total = rng.uniform(1.0, spec.ratio, tail.sum.shape).astype(np.float32)
+            tail = pools.OnlineTail(max=draw(tail.max), sum=jnp.asarray(total, tail.sum.dtype),
+                                    weighted=jnp.asarray(np.asarray(draw(tail.weighted),
+                                                                    np.float32) * total,
+                                                         tail.weighted.dtype))
+        else:
+            tail = jax.tree.map(draw, tail)
+        cache = pools.with_tail(cache, spec.name, tail)
+    cache = pools.with_window_ring(cache, draw(pools.window_ring(cache),
+                                               pools.codec(cache, "window")))
     status = np.zeros(geometry.max_slots, np.int32)
     status[: len(lengths)] = SlotStatus.ACTIVE
     all_lengths = np.zeros(geometry.max_slots, np.int32)
@@ -198,14 +220,16 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
 
     A slot is live unless FREE. It owns, per layer: the window rows of its last
     min(length, W) positions; the tail rows of its open block (and, with overlap, of the
-    complete block before it); and in the Classical pool the rows of its complete entries
-    (entry i < length // m) in the pages of its page-table row. Every row of `held_pages`
-    (full pages held outside the page tables, e.g. by a prefix index) is owned too.
-    Everything else is memory no request may read.
+    complete block before it), or its online tail while its open block holds tokens; and in
+    the Classical pool the rows of its complete entries (entry i < length // m) in the pages
+    of its page-table row. Every row of `held_pages` (full pages held outside the page
+    tables, e.g. by a prefix index) is owned too. Everything else is memory no request may
+    read.
 
     Returns:
       {"window", "<compressor>_tail", "<compressor>_entries"} -> bool masks broadcastable to
-      those arrays ([1, S, W, 1], [1, S, ring, 1], [1, pages, P // m, 1]).
+      those arrays ([1, S, W, 1], [1, S, ring, 1] or [1, S, 1] for an online tail,
+      [1, pages, P // m, 1]).
     """
     geo = cache.geometry
     lengths = np.asarray(pools.lengths(cache), np.int64)
@@ -218,12 +242,16 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
         masks["window"][0, s, np.arange(max(0, n - W), n) % W] = True
     for spec in cache.specs:
         m, epp = spec.ratio, geo.entries_per_page(spec.ratio)
-        tail = np.zeros((1, S, spec.ring, 1), bool)
+        online = pools.online_tail(geo, spec.name)
+        tail = np.zeros((1, S, 1) if online else (1, S, spec.ring, 1), bool)
         entries = np.zeros((1, geo.num_pages, epp, 1), bool)
         for s in np.flatnonzero(live):
             n = lengths[s]
             first = (n // m - (1 if spec.overlap else 0)) * m
-            tail[0, s, np.arange(max(0, first), n) % spec.ring] = True
+            if online:
+                tail[0, s] = n % m != 0
+            else:
+                tail[0, s, np.arange(max(0, first), n) % spec.ring] = True
             count = n // m
             for col, page in enumerate(table[s]):
                 if page >= 0:
@@ -237,20 +265,25 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
 
 
 def poison_unowned(cache: Cache, value: float = float("nan"), held_pages=()) -> Cache:
-    """The cache with every storage row no live request owns set to `value` (`owned_masks`,
-    with the full pages `held_pages` held outside the page tables).
+    """The cache with every storage row no live request owns set to rows that decode to
+    `value` (`owned_masks`, with the full pages `held_pages` held outside the page tables);
+    in a packed format NaN is the word 0xFFFFFFFF everywhere (NaN in every dim, scale bytes
+    included), another value its encoded row.
 
     Outputs and states of live requests must not change by a single bit: a read that is
     not masked with `where` (0 * NaN = NaN) or that reaches another request's rows shows up.
     """
     masks = owned_masks(cache, held_pages)
 
-    def fill(x, mask):
-        return jnp.where(jnp.asarray(mask), x, jnp.asarray(value, x.dtype))
+    def fill(x, mask, codec=None):
+        row = jnp.asarray(value, x.dtype) if codec is None else _filled(codec, value)
+        return jnp.where(jnp.asarray(mask), x, row)
 
     for spec in cache.specs:
         cache = pools.with_entries(cache, spec.name, fill(pools.entries(cache, spec.name),
-                                                          masks[f"{spec.name}_entries"]))
+                                                          masks[f"{spec.name}_entries"],
+                                                          pools.codec(cache, spec.name)))
         cache = pools.with_tail(cache, spec.name, jax.tree.map(
             lambda x, spec=spec: fill(x, masks[f"{spec.name}_tail"]), pools.tail(cache, spec.name)))
-    return pools.with_window_ring(cache, fill(pools.window_ring(cache), masks["window"]))
+    return pools.with_window_ring(cache, fill(pools.window_ring(cache), masks["window"],
+                                              pools.codec(cache, "window")))

@@ -1,0 +1,154 @@
+"""The in-kernel codecs (`pallas_kernels.formats`) bit for bit against `v4kv_jax.storage`:
+decoders of both plane layouts (TPU: whole stored rows; GPU: gathered power-of-two planes),
+the plane permutation and its inverse, and the scalar encoders the compressor kernels use."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import formats
+from v4kv_jax import storage
+
+# (format, width, rope_dim): V4 widths and the test widths of kernel_cases.PACKED_WIDTHS.
+ROWS = [("fp8_latent", 512, 64), ("fp8_latent", 256, 64), ("fp8_latent", 128, 0),
+        ("fp4_index", 128, 0), ("fp4_index", 64, 0), ("fp4_index", 32, 0)]
+
+
+def _values(n: int, width: int, seed: int = 0) -> jax.Array:
+    """Rows over many binades, with zeros, signed zero, NaN, inf and tiny blocks."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, width)).astype(np.float32)
+    x *= np.exp2(rng.integers(-30, 30, (n, 1))).astype(np.float32)
+    x[0, :5] = [0.0, -0.0, np.nan, np.inf, -np.inf]
+    x[1] = 0.0
+    x[2] *= np.float32(1e-30)
+    return jnp.asarray(x)
+
+
+def _assert_same_bits(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
+    assert same.all(), np.argwhere(~same)[:5]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _packed(fmt, width, rope_dim, x):
+    if fmt == "fp8_latent":
+        packed = storage.encode_fp8_latent(x, rope_dim)
+        return packed, storage.decode_fp8_latent(packed, width, rope_dim)
+    packed = storage.encode_fp4_key(x)
+    return packed, storage.decode_fp4_key(packed, width)
+
+
+@pytest.mark.parametrize("fmt,width,rope_dim", ROWS)
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_decoded_planes_are_the_storage_decode(fmt, width, rope_dim, backend):
+    lay = formats.layout(fmt, width, rope_dim, backend)
+    packed, want = _packed(fmt, width, rope_dim, _values(48, width))
+    assert lay.stored_width == packed.shape[-1] == storage.stored_width(width, fmt, rope_dim)
+
+    @jax.jit  # one program: eager op-by-op dispatch of the decoders is slow on CPU
+    def decode(packed):
+        if backend == "tpu":
+            return formats.decode_tpu(lay, packed)
+        return formats.decode_gpu(lay, lambda cols: jnp.take(packed, cols[0], axis=1))
+
+    planes = decode(packed)
+    assert len(planes) == lay.n_planes
+    if backend == "gpu":
+        assert all(p.shape[-1] & (p.shape[-1] - 1) == 0 for p in planes)  # Triton shapes
+    _assert_same_bits(formats.from_planes(lay, jnp.stack(planes, axis=-2)), want)
+
+
+@pytest.mark.parametrize("fmt,width,rope_dim", ROWS)
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_planes_hold_every_dim_once(fmt, width, rope_dim, backend):
+    lay = formats.layout(fmt, width, rope_dim, backend)
+    dims = lay.lane_dims()
+    np.testing.assert_array_equal(np.sort(dims[dims >= 0]), np.arange(width))
+    x = _values(4, width, seed=1)
+    _assert_same_bits(formats.from_planes(lay, formats.to_planes(lay, x)), x)
+    planes = formats.to_planes(lay, jnp.where(jnp.isfinite(x), x, 0.0))
+    assert float(jnp.sum(jnp.where(jnp.asarray(dims) < 0, jnp.abs(planes), 0.0))) == 0.0
+
+
+def test_v4_planes_waste_no_gpu_lane():
+    """fp8_latent 512 / 64 on GPU: 4 planes of 128 lanes = 112 code words + 16 RoPE dims."""
+    lay = formats.layout("fp8_latent", 512, 64, "gpu")
+    assert (lay.n_planes, lay.plane_width) == (4, 128)
+    assert (lay.lane_dims() >= 0).all()
+    assert formats.layout("fp4_index", 128, 0, "gpu").plane_width == 16
+    assert formats.layout("fp8_latent", 512, 64, "tpu").plane_width == 146
+
+
+def test_layout_errors_name_the_problem():
+    with pytest.raises(ValueError, match="width - rope_dim a positive multiple of 64"):
+        formats.layout("fp8_latent", 32, 8, "tpu")
+    with pytest.raises(ValueError, match="power-of-two width >= 32"):
+        formats.layout("fp4_index", 16, 0, "gpu")
+    lay = formats.layout("fp8_latent", 512, 64, "tpu")
+    with pytest.raises(ValueError, match=r"c4: rows of fp8_latent .* are 146 wide; got last "
+                                         r"dim 512"):
+        formats.check_stored(lay, jnp.zeros((2, 512), jnp.uint32), "c4")
+    with pytest.raises(ValueError, match="uint32 words; got float32"):
+        formats.check_stored(lay, jnp.zeros((2, 146), jnp.float32), "c4")
+
+
+def _e4m3_edges() -> np.ndarray:
+    """Every finite e4m3 value, the midpoints between neighbours (ties) and their float
+    neighbours, values past 448, non-finite values, random values; both signs."""
+    table = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    mags = np.unique(np.abs(table[np.isfinite(table)]))
+    mids = (mags[1:] + mags[:-1]) / 2
+    x = np.concatenate([mags, mids, np.nextafter(mids, 0), np.nextafter(mids, np.inf),
+                        [448, 449, 464, 479, 480, 1e9, np.inf, np.nan, 1e-30]]).astype(np.float32)
+    x = np.concatenate([x, np.random.default_rng(0).standard_normal(20000).astype(np.float32)
+                        * np.float32(100)])
+    return np.concatenate([x, -x])
+
+
+def test_e4m3_codes_are_xla_conversions():
+    x = jnp.asarray(_e4m3_edges())
+    want = jax.lax.bitcast_convert_type(jnp.clip(x, -448, 448).astype(jnp.float8_e4m3fn),
+                                        jnp.uint8)
+    want = np.where(np.isnan(np.asarray(x)), 0x7F, np.asarray(want).astype(np.int32))
+    np.testing.assert_array_equal(np.asarray(formats.e4m3_code(x)), want)
+
+
+def test_e2m1_codes_round_like_storage():
+    x = np.concatenate([_e4m3_edges(), np.arange(-700, 701) / 100, np.arange(-24, 25) / 4])
+    x = jnp.asarray(np.clip(x[np.isfinite(x)], -6, 6).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(formats.e2m1_code(x)),
+                                  np.asarray(storage._e2m1_codes(x)))
+
+
+def test_bf16_bits_and_scale_bytes_match_storage():
+    bits = np.random.default_rng(1).integers(0, 2**32, 100000, dtype=np.uint64).astype(np.uint32)
+    x = jnp.asarray(np.concatenate([bits.view(np.float32),
+                                    np.float32([0, -0.0, np.inf, -np.inf, np.nan, 1e-4])]))
+    want = np.asarray(jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16))
+    want = np.where(np.isnan(np.asarray(x)), 0x7FC0, want.astype(np.int32))
+    np.testing.assert_array_equal(np.asarray(formats.bf16_bits(x)), want)
+    amax = jnp.abs(x[jnp.isfinite(x)])
+    for fmax, floor in ((448.0, formats.FP8_AMAX_FLOOR), (6.0, formats.FP4_AMAX_FLOOR)):
+        want = storage._scale_bytes(amax[:, None], 1, fmax, floor)[:, 0]
+        np.testing.assert_array_equal(np.asarray(formats.scale_byte(amax, fmax, floor)),
+                                      np.asarray(want))
+    assert formats.FP8_AMAX_FLOOR == storage.AMAX_FLOOR
+    assert formats.FP4_AMAX_FLOOR == storage.FP4_AMAX_FLOOR
+
+
+@pytest.mark.parametrize("fmt,width,rope_dim", ROWS)
+def test_tpu_encoder_is_the_storage_encode(fmt, width, rope_dim):
+    """The compressor's encoder (rotation included for fp4_index) on the same fp32 rows."""
+    lay = formats.layout(fmt, width, rope_dim, "tpu")
+    x = _values(40, width, seed=3)
+    got = jax.jit(lambda x: formats.encode_tpu(lay, x))(x)
+    want = (storage.encode_fp8_latent(x, rope_dim) if fmt == "fp8_latent"
+            else storage.encode_fp4_key(x))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
