@@ -72,13 +72,13 @@ def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
     return batch * per_seq
 
 
-def make_v4_step(model):
+def make_v4_step(model, options: cfg.Options):
     def v4_step(cache, vectors, queries, weights):
         slots = jnp.arange(cache.geometry.max_slots)
         cache, plan = append.begin_append(cache, slots, jnp.ones_like(slots), 1)
-        cache = append.append_layers(cache, plan, vectors, weights)
+        cache = append.append_layers(cache, plan, vectors, weights, options)
         cache = append.end_append(cache, plan)
-        return cache, step.decode_attention_all(cache, queries, plan.slot_ids)
+        return cache, step.decode_attention_all(cache, queries, plan.slot_ids, options=options)
 
     return jax.jit(v4_step, donate_argnums=0)
 
@@ -120,7 +120,7 @@ def run(args) -> dict:
         data = synthetic.SyntheticBatch.draw(model, args.batch, 1, seed=1)
         vectors, queries = data.span(0, 1), data.stacked_queries(
             np.zeros((args.batch, 1), int))
-        v4 = make_v4_step(model)
+        v4 = make_v4_step(model, cfg.Options(implementation=args.implementation))
         t0 = time.perf_counter()
         cache, out = v4(cache, vectors, queries, data.weights)
         jax.block_until_ready(out)
@@ -160,7 +160,8 @@ def run(args) -> dict:
             del kc
         if dense_ms is None and rows and rows[-1]["context"] == context:
             dense_ms, dense_compile = rows[-1]["dense_ms"], rows[-1]["dense_compile_s"]
-        row = dict(context=context, formats=formats, batch=args.batch, v4_ms=v4_ms,
+        row = dict(context=context, formats=formats, implementation=args.implementation,
+                   batch=args.batch, v4_ms=v4_ms,
                    v4_compile_s=compile_s,
                    v4_bytes_read=need, roofline_ms=roofline_ms,
                    v4_over_roofline=v4_ms / roofline_ms, dense_ms=dense_ms,
@@ -201,6 +202,8 @@ def main(argv=None):
     p.add_argument("--formats", nargs="+", choices=tuple(FORMAT_SETS),
                    default=["float32", "release"],
                    help="storage formats, one row each (CacheConfig.with_formats)")
+    p.add_argument("--implementation", default="auto", choices=cfg.IMPLEMENTATIONS,
+                   help="the ops' implementation (auto: Pallas on TPU / GPU, jnp on CPU)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rope-dim", type=int, default=64,
                    help="RoPE dims (head_dim - rope_dim a multiple of 64 for fp8_latent)")
