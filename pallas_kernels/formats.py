@@ -309,6 +309,14 @@ def _in(lane, lo: int, hi: int):
     return (lane >= lo) & (lane < hi)
 
 
+def code_values(lay: Layout, words: jax.Array, j: int) -> jax.Array:
+    """f32 values (before their block scale) of the codes of plane j: byte j (fp8_latent) or
+    nibble j (fp4_index) of every word."""
+    if lay.fmt == "fp8_latent":
+        return e4m3_value((words >> 8 * j) & 0xFF)
+    return e2m1_value((words >> 4 * j) & 15)
+
+
 def decode_tpu(lay: Layout, tile: jax.Array) -> list[jax.Array]:
     """Planes (f32[n, plane_width] each) of a tile of stored rows [n, stored_width] as loaded."""
     if not lay.packed:
@@ -325,11 +333,7 @@ def decode_tpu(lay: Layout, tile: jax.Array) -> list[jax.Array]:
     codes = lane < lay.code_words
     planes = []
     for j in range(lay.n_planes):
-        if lay.fmt == "fp8_latent":
-            value = e4m3_value((words >> 8 * j) & 0xFF)
-        else:
-            value = e2m1_value((words >> 4 * j) & 15)
-        plane = jnp.where(codes, value * scale, 0.0)
+        plane = jnp.where(codes, code_values(lay, words, j) * scale, 0.0)
         if lay.fmt == "fp8_latent" and j < 2 and lay.rope_dim:
             rope = _in(lane, lay.code_words, lay.code_words + lay.rope_dim // 2)
             plane = jnp.where(rope, bf16_low(words) if j == 0 else bf16_high(words), plane)
@@ -355,11 +359,7 @@ def decode_gpu(lay: Layout, load) -> list[jax.Array]:
     scale = scale_value((scale_words >> 8 * (block % 4)) & 0xFF)
     planes = []
     for j in range(lay.n_planes):
-        if lay.fmt == "fp8_latent":
-            value = e4m3_value((words >> 8 * j) & 0xFF)
-        else:
-            value = e2m1_value((words >> 4 * j) & 15)
-        plane = jnp.where(codes, value * scale, 0.0)
+        plane = jnp.where(codes, code_values(lay, words, j) * scale, 0.0)
         if lay.fmt == "fp8_latent" and lay.rope_dim:
             rope = j * lay.rope_lanes + lane - lay.code_words  # RoPE dim held by the lane
             inside = (~codes) & (rope < lay.rope_dim)

@@ -53,6 +53,18 @@ def empty_state(groups: decode.KeyGroups, heads: int):
             groups.zero_accs(heads))
 
 
+def first_state(split, groups: decode.KeyGroups, q, window_ref, layer, slot, q_pos, kv_end, *,
+                window: int, window_block: int, scale: float):
+    """The state a split starts from: the whole window folded in by split 0, nothing by the
+    others (each key is counted once across the splits)."""
+    state = empty_state(groups, q[0][0].shape[0])
+    return jax.lax.cond(
+        split == 0,
+        lambda s: fold_window(s, groups, q, window_ref, layer, slot, q_pos, kv_end,
+                              window=window, window_block=window_block, scale=scale),
+        lambda s: s, state)
+
+
 def write_state(state, acc_refs, m_ref, l_ref) -> None:
     m, denom, accs = state
     for ref, planes in zip(acc_refs, accs, strict=True):

@@ -41,15 +41,10 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
     q_refs, (window_ref, c4_ref), out_refs = refs[:n], refs[n:n + 2], refs[n + 2:]
     b, split = pl.program_id(0), pl.program_id(2)
     q = groups.load_queries(q_refs)
-    heads = q[0][0].shape[0]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
-    state = gpu_split_k.empty_state(groups, heads)
-    state = jax.lax.cond(
-        split == 0,
-        lambda s: gpu_split_k.fold_window(s, groups, q, window_ref, layers_ref[0], slot_ref[b],
-                                          q_pos, kv_end, window=window,
-                                          window_block=window_block, scale=scale),
-        lambda s: s, state)
+    state = gpu_split_k.first_state(split, groups, q, window_ref, layers_ref[0], slot_ref[b],
+                                    q_pos, kv_end, window=window, window_block=window_block,
+                                    scale=scale)
 
     num_blocks = blocks_ref[b]
     per_split = (num_blocks + num_splits - 1) // num_splits
