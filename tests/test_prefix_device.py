@@ -82,6 +82,7 @@ def test_attach_shares_the_full_pages(prefilled):
     cache = _copy(prefilled)
     row0 = np.asarray(cache.pages.page_table[0])
     free = int(cache.pages.num_free)
+    before = v4.memory_report(cache)
     cache = v4.attach_prefix(cache, 1, row0, 2)
     table, refcount = np.asarray(cache.pages.page_table), np.asarray(cache.pages.refcount)
     np.testing.assert_array_equal(table[1, :2], row0[:2])
@@ -89,7 +90,11 @@ def test_attach_shares_the_full_pages(prefilled):
     assert refcount[row0[:2]].tolist() == [2, 2]
     assert int(cache.pages.num_free) == free  # one physical copy: no page taken
     assert int(pools.lengths(cache)[1]) == BOUNDARY
-    assert v4.memory_report(cache).pages_shared == 2
+    report = v4.memory_report(cache)
+    assert report.pages_shared == 2
+    # Shared pages hold their entries once: nothing more is stored, nothing counted twice.
+    assert (report.entry_bytes, report.allocated_bytes) == (before.entry_bytes,
+                                                           before.allocated_bytes)
     # The attached slot reads the same entries as the owner, by index.
     a, b = v4.read_slot(cache, 0), v4.read_slot(cache, 1)
     for name in a.entries:

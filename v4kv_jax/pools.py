@@ -725,7 +725,8 @@ class MemoryReport:
       page_bytes: Classical bytes of one page (all layers, all entry kinds).
       pages_total, pages_used, pages_free, pages_shared: page counts (shared = refcount > 1).
       allocated_bytes: pages_used * page_bytes.
-      entry_bytes: bytes of the complete entries actually present in the used pages.
+      entry_bytes: bytes of the complete entries present in the used pages, each page
+        counted once however many requests share it.
       state_bytes_total: State pool bytes for all slots.
     """
 
@@ -753,7 +754,7 @@ class MemoryReport:
             f"Pages: {self.pages_used} used, {self.pages_free} free, {self.pages_shared} shared "
             f"of {self.pages_total} ({self.page_bytes:,} B each)",
             f"Classical allocated:   {self.allocated_bytes:,} B for {self.entry_bytes:,} B of "
-            f"entries (x{self.allocation_overhead:.3f})",
+            + (f"entries (x{self.allocation_overhead:.3f})" if self.entry_bytes else "entries"),
             f"State pool total:      {self.state_bytes_total:,} B",
         ])
 
@@ -800,12 +801,25 @@ def state_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> in
 
 def memory_report(cache: Cache) -> MemoryReport:
     model, geo = cache.attn_config, cache.geometry
+    P = geo.page_tokens
     lengths = np.asarray(cache.state.lengths, dtype=np.int64)
     active = np.asarray(cache.state.status) != SlotStatus.FREE
-    entry_bytes = sum(int(n * one * np.sum((lengths // spec.ratio)[active]))
+    refcount = np.asarray(cache.pages.refcount)
+    # Tokens each used page holds, each page once however many requests share it: a page in
+    # no live page-table row is a full page held outside them (e.g. by a prefix index).
+    held = np.where(refcount > 0, P, 0).astype(np.int64)
+    in_rows = np.zeros(geo.num_pages, np.int64)
+    table = np.asarray(cache.pages.page_table)
+    for s in np.nonzero(active)[0]:
+        for j, page in enumerate(table[s]):
+            if page >= 0:
+                in_rows[page] = max(in_rows[page], min(max(lengths[s] - j * P, 0), P))
+    listed = np.zeros(geo.num_pages, bool)
+    listed[table[active][table[active] >= 0]] = True
+    tokens = np.where(listed, in_rows, held)
+    entry_bytes = sum(int(n * one * np.sum(tokens // spec.ratio))
                       for spec, n, one in _entry_rows(model, geo))
     one_page = page_bytes(model, geo)
-    refcount = np.asarray(cache.pages.refcount)
     used = int(np.sum(refcount > 0))
     return MemoryReport(
         classical_bytes_per_token=classical_bytes_per_token(model, geo),
