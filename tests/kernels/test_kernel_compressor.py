@@ -141,7 +141,7 @@ def packed_case():
                                  want=want)
 
 
-@pytest.mark.parametrize("implementation", [i for i in IMPLEMENTATIONS if i == "pallas_tpu"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_emitted_entries_are_encoded_like_the_reference(packed_case, implementation):
     """The kernel encodes its fp32 entry exactly as `storage` does (tests/kernels/
     test_kernel_formats.py checks the encoder bit for bit), but its fp32 entry may differ from

@@ -72,19 +72,21 @@ def _indexer(module, packed=False):
         ratio=4, **(dict(index_format="fp4_index") if packed else {}))
 
 
-def _compress(module, ratio, overlap, packed=False):
-    in_width = 2 * HD if overlap else HD
+def _compress(module, ratio, overlap, packed=False, width=HD):
+    """packed: fp8_latent entries (width HD), fp4_index keys (width C)."""
+    in_width = 2 * width if overlap else width
     ring = 2 * ratio if overlap else ratio
-    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS), U32) if packed else sds(
-        (KIND_LAYERS, PAGES, P // ratio, HD), BF16)
+    fmt = ("fp8_latent" if width == HD else "fp4_index") if packed else None
+    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS if width == HD else FP4_WORDS),
+               U32) if packed else sds((KIND_LAYERS, PAGES, P // ratio, width), BF16)
     return module.emit_entries, (
         pool, ROWS, sds((KIND_LAYERS,), I32),
         sds((KIND_LAYERS, B, ring, in_width), F32), sds((KIND_LAYERS, B, ring, in_width), F32),
         sds((B,), I32), sds((KIND_LAYERS, B, T, in_width), F32),
         sds((KIND_LAYERS, B, T, in_width), F32), sds((B,), I32), sds((B,), I32),
-        sds((KIND_LAYERS, HD), F32), FREQ), dict(
+        sds((KIND_LAYERS, width), F32), FREQ), dict(
         ratio=ratio, overlap=overlap, eps=1e-6,
-        **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
+        **(dict(entry_format=fmt, rope_dim=64) if packed else {}))
 
 
 KERNELS = {
@@ -138,6 +140,21 @@ def test_tpu_kernels_lower_to_mosaic(kernel, tpu_lowering_target):
 def test_tpu_compressor_writing_fp8_latent_lowers_to_mosaic(tpu_lowering_target):
     fn, args, kwargs = _compress(compress_tpu, ratio=4, overlap=True, packed=True)
     assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
+
+
+# The compressors writing the release formats: C4 and C128 entries in fp8_latent, indexer keys
+# (c 128, 64 RoPE dims) in fp4_index.
+PACKED_COMPRESSORS = {
+    "csa_fp8": functools.partial(_compress, ratio=4, overlap=True, packed=True),
+    "hca_fp8": functools.partial(_compress, ratio=128, overlap=False, packed=True),
+    "csa_index_fp4": functools.partial(_compress, ratio=4, overlap=True, packed=True, width=C),
+}
+
+
+@pytest.mark.parametrize("compressor", sorted(PACKED_COMPRESSORS))
+def test_gpu_compressor_writing_packed_pools_lowers_to_triton(compressor):
+    fn, args, kwargs = PACKED_COMPRESSORS[compressor](compress_gpu)
+    assert "triton" in _lower(fn, args, kwargs, "cuda")
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
