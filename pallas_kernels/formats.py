@@ -508,14 +508,15 @@ def gpu_encoder_planes(lay: Layout) -> tuple[tuple[int, int, int], ...]:
     raise ValueError(f"gpu_encoder_planes: {lay.fmt} rows are stored as they are")
 
 
-def hadamard_planes(lay: Layout, x: jax.Array, first_dim: int) -> list[jax.Array]:
+def hadamard_planes(lay: Layout, x: jax.Array, first_dim: int, stride: int = 1
+                    ) -> list[jax.Array]:
     """Part of the unscaled Hadamard rotation of fp4_index keys from a run of their dims:
-    x f32[G, L] holds dims first_dim + l; plane j f32[G, c / 8] lane w gets
-    sum_l x[:, l] * H[first_dim + l, 8 w + j] (H the +-1 Sylvester matrix). Summed over runs
-    covering every dim once and scaled by c^-0.5: the planes of `storage.hadamard(key)`
-    (up to the order of the fp32 sums)."""
+    x f32[G, L] holds dims first_dim + stride * l; plane j f32[G, c / 8] lane w gets
+    sum_l x[:, l] * H[first_dim + stride * l, 8 w + j] (H the +-1 Sylvester matrix). Summed
+    over runs covering every dim once and scaled by c^-0.5: the planes of
+    `storage.hadamard(key)` (up to the order of the fp32 sums)."""
     shape = (1, x.shape[1], lay.code_words)
-    dim = first_dim + lax.broadcasted_iota(jnp.int32, shape, 1)
+    dim = first_dim + stride * lax.broadcasted_iota(jnp.int32, shape, 1)
     word = lax.broadcasted_iota(jnp.int32, shape, 2)
     wide = jnp.broadcast_to(x[:, :, None], (x.shape[0], *shape[1:]))
     return [jnp.sum(jnp.where(_parity(dim & (8 * word + j)) == 1, -wide, wide), axis=1)

@@ -16,7 +16,7 @@ byte j of the 16 code words of a scale block, then the even and odd RoPE dims, e
 other's rotation partner); planes are encoded and stored lane by lane, never relayouted.
 fp4_index keys pool contiguous passes as float pools do and accumulate the Hadamard rotation
 into the 8 nibble planes with +-1 sums (`formats.hadamard_planes`), encoded after the last
-pass.
+pass. `emit_entries_online` (hca_tail="online") is described at its wrapper.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pallas_kernels.common import (
     triton_compiler_params,
 )
 from pallas_kernels.compressor.blocks import BlockSizes
-from pallas_kernels.compressor.pooling import softmax_pool
+from pallas_kernels.compressor.pooling import online_step, softmax_pool
 
 # Packed pool formats this kernel encodes itself (`formats.encode_gpu`).
 WRITES_PACKED = ("fp8_latent", "fp4_index")
@@ -199,3 +199,138 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
         interpret=interpret,
         name="v4kv_compress_emit_gpu",
     )(*args)
+
+
+def _online_groups(entries: formats.Layout) -> tuple[tuple[int, int, int], ...]:
+    """Lane groups (first dim, stride, lanes) the online kernel holds a row in: the encoder's
+    planes for fp8_latent, else the even and the odd dims (each the other's RoPE partner)."""
+    if entries.fmt == "fp8_latent":
+        return formats.gpu_encoder_planes(entries)
+    return ((0, 2, entries.width // 2), (1, 2, entries.width // 2))
+
+
+def _online_kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, freq_ref,
+                   kv_ref, gate_ref, *refs, ratio: int, max_pages: int, eps: float,
+                   entries: formats.Layout, with_pool: bool):
+    n_io = 4 if with_pool else 3
+    tails_in, tails = refs[:3], refs[n_io:n_io + 3]
+    pool_ref = refs[-1] if with_pool else None
+    li, b = pl.program_id(0), pl.program_id(1)
+    layer, slot = layers_ref[li], slot_ref[b]
+    start, n_new = start_ref[b], n_new_ref[b]
+    max_slots, m, width = tails[0].shape[1], ratio, entries.width
+    groups = _online_groups(entries)
+
+    def dims(group):
+        first, stride, lanes = group
+        return first + stride * jax.lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
+
+    read = jnp.clip(slot, 0, max_slots - 1)
+    state = tuple([ref[layer, read, dims(g)].astype(jnp.float32) for g in groups]
+                  for ref in tails_in)
+
+    def write_entry(block, u, s):
+        xs = [uu / ss for uu, ss in zip(u, s, strict=True)]
+        sum_sq = sum(jnp.sum(jnp.square(x), axis=-1, keepdims=True) for x in xs)
+        inv_rms = jax.lax.rsqrt(sum_sq / width + eps)
+        ys = [x * inv_rms * norm_ref[li, dims(g)] for x, g in zip(xs, groups, strict=True)]
+        if entries.fmt != "fp8_latent" or entries.rope_dim:
+            even, odd = ys[-2:]
+            freq = freq_ref[0, dims(groups[-2])]
+            angle = (block * m).astype(jnp.float32) * freq
+            cos, sin = jnp.cos(angle), jnp.sin(angle)
+            rotates = freq > 0  # the RoPE dims; the others stay as they are
+            ys[-2:] = [jnp.where(rotates, even * cos - odd * sin, even),
+                       jnp.where(rotates, even * sin + odd * cos, odd)]
+        col = jax.lax.div(block, pool_ref.shape[2])
+        page = table_ref[b, jnp.minimum(col, max_pages - 1)]
+        keep = (col < max_pages) & (page >= 0)
+        row = jax.lax.rem(block, pool_ref.shape[2])
+
+        def store(cols, values, mask):
+            target = pool_ref.at[layer, jnp.maximum(page, 0), row, cols]
+            pl_triton.store(target, values, mask=jnp.broadcast_to(mask & keep, values.shape))
+
+        if entries.fmt == "fp8_latent":
+            segments = formats.encode_gpu(entries, ys)
+        elif entries.fmt == "fp4_index":
+            parts = [formats.hadamard_planes(entries, y, g[0], g[1])
+                     for y, g in zip(ys, groups, strict=True)]
+            segments = formats.encode_gpu(entries, [
+                (p + q) * np.float32(width ** -0.5) for p, q in zip(*parts, strict=True)])
+        else:
+            for y, g in zip(ys, groups, strict=True):
+                store(dims(g)[0], y[0].astype(pool_ref.dtype), True)
+            return
+        for first, words, n in segments:
+            lanes = jax.lax.broadcasted_iota(jnp.int32, (words.shape[1],), 0)
+            store(first + jnp.minimum(lanes, n - 1),
+                  jax.lax.bitcast_convert_type(words[0], pool_ref.dtype), lanes < n)
+
+    def token(i, state):
+        pos = start + i
+        offset = jax.lax.rem(pos, m)
+        a = [kv_ref[li, b, i, dims(g)].astype(jnp.float32) for g in groups]
+        z = [gate_ref[li, b, i, dims(g)].astype(jnp.float32) for g in groups]
+        per_group = [online_step(group, aa, zz, offset == 0) for *group, aa, zz in
+                     zip(*state, a, z, strict=True)]
+        state = tuple([new[k] for new in per_group] for k in range(3))
+        if with_pool:
+            @pl.when(offset == m - 1)
+            def _():
+                write_entry(jax.lax.div(pos, m), state[2], state[1])
+
+        return state
+
+    state = jax.lax.fori_loop(0, n_new, token, state)
+
+    @pl.when((slot >= 0) & (slot < max_slots) & (n_new > 0))
+    def _():
+        for ref, values in zip(tails, state, strict=True):
+            for g, v in zip(groups, values, strict=True):
+                pl_triton.store(ref.at[layer, slot, dims(g)[0]], v[0].astype(ref.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "eps", "interpret", "num_warps",
+                                             "num_stages", "entry_format", "rope_dim"),
+                   donate_argnames=("pool", "tail_max", "tail_sum", "tail_weighted"))
+def emit_entries_online(pool, page_rows, layers, tail_max, tail_sum, tail_weighted, slot_ids,
+                        kv, gate, start, n_new, norm, inv_freq, *, ratio: int, eps: float,
+                        interpret: bool = False, num_warps: int = 4, num_stages: int = 1,
+                        entry_format: str = "float", rope_dim: int = 0):
+    """Same contract as `pallas_kernels.compressor.tpu.emit_entries_online`.
+
+    Grid: (layer, slot row). A program holds its row's tail in registers as lane groups
+    (`_online_groups`, gathered with strided column maps), folds the chunk token by token
+    and, at each block end, norms, rotates (pair partners sit in the other group), encodes
+    and scatters the entry; then scatters the tail back.
+    """
+    n, batch, _, width = kv.shape
+    entries = formats.layout(entry_format, width, rope_dim, "gpu")
+    with_pool = pool is not None
+    if with_pool:
+        formats.check_stored(entries, pool, "pool")
+    check_power_of_two(width=width)
+    kernel = functools.partial(_online_kernel, ratio=ratio, max_pages=page_rows.shape[1],
+                               eps=eps, entries=entries, with_pool=with_pool)
+    outputs = (tail_max, tail_sum, tail_weighted) + ((pool,) if with_pool else ())
+    args = (layers.astype(jnp.int32), slot_ids.astype(jnp.int32), start.astype(jnp.int32),
+            n_new.astype(jnp.int32), page_rows.astype(jnp.int32), norm.astype(jnp.float32),
+            lane_frequencies(inv_freq, width), kv, gate, *outputs)
+
+    def whole(x):
+        return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+    first = len(args) - len(outputs)
+    result = pl.pallas_call(
+        kernel,
+        grid=(n, batch),
+        in_specs=[whole(x) for x in args],
+        out_specs=[whole(x) for x in outputs],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs],
+        input_output_aliases={first + k: k for k in range(len(outputs))},
+        compiler_params=triton_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="v4kv_compress_online_gpu",
+    )(*args)
+    return (result[3] if with_pool else None), tuple(result[:3])

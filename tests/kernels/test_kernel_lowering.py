@@ -161,3 +161,28 @@ def test_gpu_compressor_writing_packed_pools_lowers_to_triton(compressor):
 def test_gpu_kernels_lower_to_triton(kernel):
     fn, args, kwargs = KERNELS[kernel](MODULES["cuda"][kernel])
     assert "triton" in _lower(fn, args, kwargs, "cuda")
+
+
+def _online(module, packed):
+    """The online HCA tail (m' 128) folding a chunk of T tokens, C128 entries in bf16 or
+    fp8_latent."""
+    pool = sds((KIND_LAYERS, PAGES, P // 128, FP8_WORDS), U32) if packed else sds(
+        (KIND_LAYERS, PAGES, P // 128, HD), BF16)
+    tail = sds((KIND_LAYERS, B, HD), F32)
+    return module.emit_entries_online, (
+        pool, ROWS, sds((KIND_LAYERS,), I32), tail, tail, tail, sds((B,), I32),
+        sds((KIND_LAYERS, B, T, HD), F32), sds((KIND_LAYERS, B, T, HD), F32), sds((B,), I32),
+        sds((B,), I32), sds((KIND_LAYERS, HD), F32), FREQ), dict(
+        ratio=128, eps=1e-6, **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
+def test_tpu_online_tail_lowers_to_mosaic(packed, tpu_lowering_target):
+    fn, args, kwargs = _online(compress_tpu, packed)
+    assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
+def test_gpu_online_tail_lowers_to_triton(packed):
+    fn, args, kwargs = _online(compress_gpu, packed)
+    assert "triton" in _lower(fn, args, kwargs, "cuda")
