@@ -221,9 +221,13 @@ def _online_case(fmt: str):
 
 
 def _assert_same_tail(got, want):
+    """Bit for bit in interpret mode; compiled on a device its exp may differ by an ulp."""
     for field in ("max", "sum", "weighted"):
-        np.testing.assert_array_equal(np.asarray(getattr(got, field)),
-                                      np.asarray(getattr(want, field)), err_msg=field)
+        got_x, want_x = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+        if INTERPRET:
+            np.testing.assert_array_equal(got_x, want_x, err_msg=field)
+        else:
+            np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-6, err_msg=field)
 
 
 @pytest.mark.parametrize("implementation,fmt", ONLINE_CASES,
