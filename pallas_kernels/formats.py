@@ -483,3 +483,100 @@ def encode_tpu(lay: Layout, x: jax.Array) -> jax.Array:
         words = _pack_bytes(sources, (codes,), stored)
     words = _or_scale_bytes(words, lay, [byte for _, byte, _ in blocks])
     return lax.bitcast_convert_type(words, jnp.uint32)
+
+
+# --- encoders (compressor kernels, GPU) -----------------------------------------------------
+# Triton has no lane shuffles, so the GPU compressor pools each word's dims straight into
+# planes (its gathers take any column map) and packs planes lane by lane: no relayout.
+
+def gpu_encoder_planes(lay: Layout) -> tuple[tuple[int, int, int], ...]:
+    """The planes `encode_gpu` takes, as (first dim, stride, lanes): plane lane l holds
+    natural dim first + stride * l (every lane count a power of two).
+
+    fp8_latent: per scale block b and byte j, the 16 dims 64 b + j + 4 l of code words
+    16 b + l; then the even and the odd RoPE dims (low / high halves of the RoPE words).
+    fp4_index: per nibble j the c / 8 dims j + 8 l of the ROTATED key (`hadamard_planes`).
+    """
+    if lay.fmt == "fp8_latent":
+        wpb = lay.words_per_block
+        planes = [(FP8_BLOCK * b + j, 4, wpb) for b in range(lay.blocks) for j in range(4)]
+        if lay.rope_dim:
+            planes += [(lay.nope + k, 2, lay.rope_dim // 2) for k in range(2)]
+        return tuple(planes)
+    if lay.fmt == "fp4_index":
+        return tuple((j, 8, lay.code_words) for j in range(8))
+    raise ValueError(f"gpu_encoder_planes: {lay.fmt} rows are stored as they are")
+
+
+def hadamard_planes(lay: Layout, x: jax.Array, first_dim: int, stride: int = 1
+                    ) -> list[jax.Array]:
+    """Part of the unscaled Hadamard rotation of fp4_index keys from a run of their dims:
+    x f32[G, L] holds dims first_dim + stride * l; plane j f32[G, c / 8] lane w gets
+    sum_l x[:, l] * H[first_dim + stride * l, 8 w + j] (H the +-1 Sylvester matrix). Summed
+    over runs covering every dim once and scaled by c^-0.5: the planes of
+    `storage.hadamard(key)` (up to the order of the fp32 sums)."""
+    shape = (1, x.shape[1], lay.code_words)
+    dim = first_dim + stride * lax.broadcasted_iota(jnp.int32, shape, 1)
+    word = lax.broadcasted_iota(jnp.int32, shape, 2)
+    wide = jnp.broadcast_to(x[:, :, None], (x.shape[0], *shape[1:]))
+    return [jnp.sum(jnp.where(_parity(dim & (8 * word + j)) == 1, -wide, wide), axis=1)
+            for j in range(8)]
+
+
+def encode_gpu(lay: Layout, planes) -> list[tuple[int, jax.Array, int]]:
+    """Stored words of f32 rows given as the planes of `gpu_encoder_planes`, exactly as
+    `storage.encode_fp8_latent` / `storage.encode_fp4_key(rotated=True)` encode those rows.
+
+    Returns:
+      (first word, int32 words [G, L], n): words first .. first + n - 1 of the rows are
+      lanes [0, n) of the words (L, a power of two, may exceed n).
+    """
+    lanes_of = gpu_encoder_planes(lay)
+    if len(planes) != len(lanes_of):
+        raise ValueError(f"encode_gpu: {lay.fmt} takes {len(lanes_of)} planes; got "
+                         f"{len(planes)}")
+    out, scale_bytes = [], []
+    if lay.fmt == "fp8_latent":
+        wpb = lay.words_per_block
+        for b in range(lay.blocks):
+            block = planes[4 * b:4 * b + 4]
+            amax = functools.reduce(jnp.maximum, [
+                jnp.max(jnp.where(jnp.isfinite(p), jnp.abs(p), 0.0), axis=1, keepdims=True)
+                for p in block])
+            byte = scale_byte(amax, FP8_MAX, FP8_AMAX_FLOOR)
+            scale = scale_value(byte)
+            words = functools.reduce(jnp.bitwise_or, [
+                e4m3_code(p / scale) << 8 * j for j, p in enumerate(block)])
+            out.append((wpb * b, words, wpb))
+            scale_bytes.append(byte)
+        if lay.rope_dim:
+            even, odd = planes[4 * lay.blocks:]
+            out.append((lay.code_words, bf16_bits(even) | (bf16_bits(odd) << 16),
+                        lay.rope_dim // 2))
+    else:
+        lane = lax.broadcasted_iota(jnp.int32, (1, lay.code_words), 1)
+        scale = jnp.ones((1, lay.code_words), _F32)
+        bad = jnp.zeros((1, lay.code_words), jnp.bool_)
+        for b in range(lay.blocks):
+            inside = lane // lay.words_per_block == b
+            amax = functools.reduce(jnp.maximum, [
+                jnp.max(jnp.where(inside & jnp.isfinite(p), jnp.abs(p), 0.0), axis=1,
+                        keepdims=True) for p in planes])
+            block_bad = functools.reduce(jnp.maximum, [
+                jnp.max(jnp.where(inside & ~jnp.isfinite(p), 1.0, 0.0), axis=1, keepdims=True)
+                for p in planes]) > 0
+            byte = jnp.where(block_bad, 0xFF, scale_byte(amax, FP4_MAX, FP4_AMAX_FLOOR))
+            scale = jnp.where(inside, scale_value(byte), scale)
+            bad = jnp.where(inside, block_bad, bad)
+            scale_bytes.append(byte)
+        codes = [jnp.where(bad, 0, e2m1_code(jnp.clip(jnp.where(bad, 0.0, p / scale),
+                                                      -FP4_MAX, FP4_MAX))) for p in planes]
+        out.append((0, functools.reduce(jnp.bitwise_or, [c << 4 * j for j, c in
+                                                         enumerate(codes)]),
+                    lay.code_words))
+    n_scale = _ceil_div(lay.blocks, 4)
+    lane = lax.broadcasted_iota(jnp.int32, (1, next_power_of_two(n_scale)), 1)
+    words = functools.reduce(jnp.bitwise_or, [
+        jnp.where(lane == b // 4, byte << 8 * (b % 4), 0) for b, byte in enumerate(scale_bytes)])
+    out.append((lay.scale_word, words, n_scale))
+    return out

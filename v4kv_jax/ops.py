@@ -2,6 +2,7 @@
 
   op                       reference (v4kv_jax)              kernels (pallas_kernels)
   emit_entries             compressor.emit_entries           compressor/{tpu,gpu}.py
+  emit_entries_online      compressor.emit_entries_online    compressor/{tpu,gpu}.py
   index_scores             indexer.index_scores              indexer/{tpu,gpu}.py
   sparse_decode_attention  attention.sparse_decode_attention sparse_attention/{tpu,gpu}.py
   dense_decode_attention   attention.dense_decode_attention  dense_attention/{tpu,gpu}.py
@@ -40,6 +41,8 @@ _BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 # op -> (reference function, kernel folder, kernel function name)
 _OPS = {
     "emit_entries": (compressor.emit_entries, "compressor", "emit_entries"),
+    "emit_entries_online": (compressor.emit_entries_online, "compressor",
+                            "emit_entries_online"),
     "index_scores": (indexer.index_scores, "indexer", "index_scores"),
     "sparse_decode_attention": (attention.sparse_decode_attention, "sparse_attention",
                                 "sparse_decode_attention"),
@@ -175,12 +178,23 @@ def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: 
     writes the entry of every block it completes (`compressor.emit_entries_online`; layout
     and update rule in the `pools` docstring). Returns (pool or None, `pools.OnlineTail`).
 
-    No Pallas kernel implements it yet: every implementation runs the reference.
+    The Pallas kernels alias the pool and the tails to their outputs and donate them: called
+    outside jit, the arrays passed in are consumed (use the returned ones).
     """
-    del options, implementation, interpret, block_sizes
-    return compressor.emit_entries_online(
-        spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
-        slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
+    kernel, interpret = _kernel("emit_entries_online", model, options, implementation,
+                                interpret)
+    codec = storage.codec(model, geometry, spec.name)
+    if kernel is None or (pool is not None and codec.packed and codec.fmt not in
+                          importlib.import_module(kernel.__module__).WRITES_PACKED):
+        return compressor.emit_entries_online(
+            spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
+            slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
+    del block_sizes  # one program per layer and row: nothing to tile
+    pool, state = kernel(pool, page_rows, layers, tail.max, tail.sum, tail.weighted, slot_ids,
+                         kv, gate, start, n_new, norm, rope.inv_frequencies(model, spec.kind),
+                         ratio=spec.ratio, eps=model.rms_eps, interpret=interpret,
+                         entry_format=codec.fmt, rope_dim=codec.rope_dim)
+    return pool, pools.OnlineTail(*state)
 
 
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,

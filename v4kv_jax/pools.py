@@ -42,9 +42,11 @@ offset o = t mod m' does, in fp32:
       S <- (S * c) + e;  U <- (U * c) + (e * a_t);  M <- M'
 
 Each product is rounded to fp32 before the sum (no FMA contraction; the reference forces it,
-see `compressor.online_fold`), so decode and prefill give the same bits; a kernel that
-contracts differs from the reference by about an ulp per token, well within the 1e-6 of the
-entries.
+see `compressor.online_fold`), so decode and prefill give the same bits. The compressor
+kernels (`pallas_kernels.compressor`, `emit_entries_online`) use the same expressions and
+rounding, so in interpret mode their tails are the reference's bit for bit (tested);
+compiled, a backend's exp may differ from XLA's by an ulp, and a kernel that contracted
+would differ by about an ulp per token, well within the 1e-6 of the entries.
 The token at o == m' - 1 completes the block: its entry is RoPE_{i m'}(RMSNorm_w(U / S)),
 the softmax pooling of the block (within 1e-6 of the raw ring's, fp32). Every chunking of
 the tokens (decode, prefill, any chunk boundaries) runs the same fold per block in the same

@@ -1,4 +1,5 @@
-"""Block pooling math shared by the compressor kernels (term by term as the reference)."""
+"""Block pooling math shared by the compressor kernels (term by term as the reference):
+the softmax pooling of whole blocks and the online tail's per-token step."""
 
 from __future__ import annotations
 
@@ -22,3 +23,21 @@ def softmax_pool(a, z, valid, done):
     e = jnp.where(valid, jnp.exp(z - jnp.max(z, axis=1, keepdims=True)), 0.0)
     total = jnp.where(done, jnp.sum(e, axis=1, keepdims=True), 1.0)
     return jnp.sum(jnp.where(valid, (e / total) * a, 0.0), axis=1)
+
+
+def _rounded(x):
+    """x through a select no compiler pass removes: the product is rounded to fp32 before
+    it is added (never contracted into an FMA), as the reference's online fold does."""
+    return jnp.where(x == x, x, jnp.nan)
+
+
+def online_step(state, a, z, fresh):
+    """One token of the online HCA tail (update rule of `v4kv_jax.pools`), in the
+    reference's fp32 expressions: state (max, sum, weighted), a the token's kv, z its biased
+    gate, fresh: the token starts a block (the state is replaced without being read)."""
+    mx, s, u = state
+    top = jnp.maximum(mx, z)
+    c, e = jnp.exp(mx - top), jnp.exp(z - top)
+    sc, uc, ea = _rounded(s * c), _rounded(u * c), _rounded(e * a)
+    return (jnp.where(fresh, z, top), jnp.where(fresh, 1.0, sc + e),
+            jnp.where(fresh, a, uc + ea))

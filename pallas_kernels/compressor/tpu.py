@@ -9,6 +9,7 @@ Pooling, RMSNorm and RoPE run on all blocks of the step at once ([blocks, slots,
 each entry (encoded in the kernel when the pool is packed, `formats.encode_tpu`) is then
 copied to its page and row of the pool, which is aliased to the output
 (in place when the caller donates it). Steps whose first block does not complete do nothing.
+`emit_entries_online` (hca_tail="online") is described at its wrapper.
 
 Layout:
   kv, gate        [n, B, T, in_width]           the chunk (gate biased), read
@@ -34,7 +35,7 @@ from pallas_kernels.common import (
     tpu_interpret,
 )
 from pallas_kernels.compressor.blocks import BlockSizes
-from pallas_kernels.compressor.pooling import softmax_pool
+from pallas_kernels.compressor.pooling import online_step, softmax_pool
 
 # Packed pool formats this kernel encodes itself (`v4kv_jax.ops` routes the others to the
 # reference).
@@ -222,3 +223,134 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
     )(layers.astype(jnp.int32), slot_ids.astype(jnp.int32), start.astype(jnp.int32),
       n_new.astype(jnp.int32), page_rows.astype(jnp.int32).reshape(-1),
       norm.astype(jnp.float32)[:, None, :], lane_freq, kv, gate, tail_kv, tail_gate, pool)
+
+
+def _online_kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, freq_ref,
+                   kv_ref, gate_ref, *refs, ratio: int, max_pages: int, eps: float,
+                   entries: formats.Layout, with_pool: bool):
+    n_io = 4 if with_pool else 3
+    tails_in, tails = refs[:3], refs[n_io:n_io + 3]
+    pool_hbm = refs[2 * n_io - 1] if with_pool else None
+    stage, out_buf, sem = refs[2 * n_io:2 * n_io + 3], refs[-2], refs[-1]
+    li, b = pl.program_id(0), pl.program_id(1)
+    layer, slot = layers_ref[li], slot_ref[b]
+    start, n_new = start_ref[b], n_new_ref[b]
+    max_slots, m = tails[0].shape[1], ratio
+
+    def copy(src, dst):
+        c = pltpu.make_async_copy(src, dst, sem)
+        c.start()
+        c.wait()
+
+    read = jnp.clip(slot, 0, max_slots - 1)
+    for src, dst in zip(tails_in, stage, strict=True):
+        copy(src.at[layer, pl.ds(read, 1)], dst)
+    state = tuple(x[...].astype(jnp.float32) for x in stage)
+
+    def write_entry(block, u, s):
+        x = u / s
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+        y = y * norm_ref[...]
+        freq = freq_ref[...]
+        rotated = rotate_lanes(y, swap_pairs_tpu(y), (block * m).astype(jnp.float32) * freq)
+        row = jnp.where(freq > 0, rotated, y)  # the RoPE dims; the others stay as they are
+        out_buf[...] = formats.encode_tpu(entries, row) if entries.packed else row.astype(
+            out_buf.dtype)
+        col = jax.lax.div(block, pool_hbm.shape[2])
+        page = table_ref[b * max_pages + jnp.minimum(col, max_pages - 1)]
+
+        @pl.when((col < max_pages) & (page >= 0))
+        def _():
+            copy(out_buf, pool_hbm.at[layer, page, pl.ds(jax.lax.rem(block, pool_hbm.shape[2]),
+                                                          1)])
+
+    def token(i, state):
+        pos = start + i
+        offset = jax.lax.rem(pos, m)
+        state = online_step(state, kv_ref[pl.ds(i, 1), :].astype(jnp.float32),
+                            gate_ref[pl.ds(i, 1), :].astype(jnp.float32), offset == 0)
+        if with_pool:
+            @pl.when(offset == m - 1)
+            def _():
+                write_entry(jax.lax.div(pos, m), state[2], state[1])
+
+        return state
+
+    state = jax.lax.fori_loop(0, n_new, token, state)
+
+    @pl.when((slot >= 0) & (slot < max_slots) & (n_new > 0))
+    def _():
+        for dst, buf, value in zip(tails, stage, state, strict=True):
+            buf[...] = value.astype(buf.dtype)
+            copy(buf, dst.at[layer, pl.ds(slot, 1)])
+
+
+@functools.partial(jax.jit, static_argnames=("ratio", "eps", "interpret", "entry_format",
+                                             "rope_dim"),
+                   donate_argnames=("pool", "tail_max", "tail_sum", "tail_weighted"))
+def emit_entries_online(pool, page_rows, layers, tail_max, tail_sum, tail_weighted, slot_ids,
+                        kv, gate, start, n_new, norm, inv_freq, *, ratio: int, eps: float,
+                        interpret: bool = False, entry_format: str = "float",
+                        rope_dim: int = 0):
+    """Folds a chunk into the online HCA tails and writes the entry of every block it
+    completes, in place (`v4kv_jax.compressor.emit_entries_online`; update rule in the
+    `v4kv_jax.pools` docstring, each product rounded before its sum as there, so the tails
+    are bit for bit the reference's).
+
+    Grid: (layer, slot row). A program copies its row's tail (max, sum, weighted) into VMEM,
+    folds its chunk token by token (kv and gate [T, width] blocks in VMEM) and at each block
+    end norms, rotates and encodes the entry and copies it to its page and row; then copies
+    the tail back.
+
+    Args:
+      pool: [n_hca, num_pages, P // m', S] (donated; aliased to the result), or None to
+        update the tails only (a state-only replay).
+      page_rows: i32[B, max_pages_per_seq] of the batch's slots.
+      layers: i32[n] indices into the HCA stack.
+      tail_max, tail_sum, tail_weighted: [n_hca, max_slots, width] (donated; aliased).
+      slot_ids: i32[B]; a row whose id is outside [0, max_slots) reads the clipped slot's
+        tail and writes no tail; a row with n_new == 0 writes nothing.
+      kv, gate: [n, B, T, width] the chunk (gate biased by ape), read as fp32.
+      start, n_new: i32[B] length before the chunk and tokens appended.
+      norm: f32[n, width]; inv_freq: f32[r // 2] RoPE frequencies.
+      ratio, eps: m' and the RMSNorm epsilon.
+      entry_format, rope_dim: the pool's storage format, as in `emit_entries`.
+
+    Returns:
+      (the pool or None, (max, sum, weighted) after the chunk).
+    """
+    n, batch, tokens, width = kv.shape
+    entries = formats.layout(entry_format, width, rope_dim, "tpu")
+    with_pool = pool is not None
+    if with_pool:
+        formats.check_stored(entries, pool, "pool")
+    outputs = (tail_max, tail_sum, tail_weighted) + ((pool,) if with_pool else ())
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    chunk = pl.BlockSpec((None, None, tokens, width), lambda li, b, *_: (li, b, 0, 0))
+    num_scalars = 5
+    kernel = functools.partial(_online_kernel, ratio=ratio, max_pages=page_rows.shape[1],
+                               eps=eps, entries=entries, with_pool=with_pool)
+    stored = entries.stored_width
+    result = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_scalars,
+            grid=(n, batch),
+            in_specs=[pl.BlockSpec((None, 1, width), lambda li, b, *_: (li, 0, 0)),
+                      pl.BlockSpec((1, width), lambda li, b, *_: (0, 0)), chunk, chunk,
+                      *[any_spec] * len(outputs)],
+            out_specs=[any_spec] * len(outputs),
+            scratch_shapes=[*[pltpu.VMEM((1, width), x.dtype) for x in outputs[:3]],
+                            pltpu.VMEM((1, stored), pool.dtype if with_pool else jnp.float32),
+                            pltpu.SemaphoreType.DMA(())],
+        ),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outputs],
+        input_output_aliases={num_scalars + 4 + k: k for k in range(len(outputs))},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=tpu_interpret(interpret),
+        name="v4kv_compress_online",
+    )(layers.astype(jnp.int32), slot_ids.astype(jnp.int32), start.astype(jnp.int32),
+      n_new.astype(jnp.int32), page_rows.astype(jnp.int32).reshape(-1),
+      norm.astype(jnp.float32)[:, None, :], lane_frequencies(inv_freq, width), kv, gate,
+      *outputs)
+    return (result[3] if with_pool else None), tuple(result[:3])

@@ -3,8 +3,10 @@ touched (NaN pages stay NaN), written values within tolerance."""
 
 from __future__ import annotations
 
+import functools
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,7 +143,7 @@ def packed_case():
                                  want=want)
 
 
-@pytest.mark.parametrize("implementation", [i for i in IMPLEMENTATIONS if i == "pallas_tpu"])
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_emitted_entries_are_encoded_like_the_reference(packed_case, implementation):
     """The kernel encodes its fp32 entry exactly as `storage` does (tests/kernels/
     test_kernel_formats.py checks the encoder bit for bit), but its fp32 entry may differ from
@@ -162,3 +164,93 @@ def test_emitted_entries_are_encoded_like_the_reference(packed_case, implementat
         step = 2.0 ** -3 if spec.name != "csa_index" else 0.5  # e4m3 / e2m1 relative step
         bound = step * np.abs(want_values) + 1e-6 * np.abs(want_values).max()
         assert (np.abs(got_values - want_values) <= bound).all(), spec.name
+
+
+# The online kernels' entry formats: fp8_latent for both; float32 for the GPU kernel too, whose
+# float path holds rows in other lane groups (the TPU kernel differs only by its encoder).
+ONLINE_CASES = [(i, "fp8_latent") for i in IMPLEMENTATIONS] + [
+    (i, "float32") for i in IMPLEMENTATIONS if i == "pallas_gpu"]
+
+
+@functools.cache
+def _online_case(fmt: str):
+    """hca_tail="online" with C128 entries in `fmt`: a chunked prefill (two chunks of 37)
+    then a decode step; one row has an out-of-range slot id (reads the clipped slot, writes no
+    tail), rows append nothing in some steps. The reference's pool and tails after each step."""
+    model = packed_model(4)
+    spec = next(s for s in compressor_specs(model) if s.name == "hca")
+    m, n = spec.ratio, len(model.layers_of(spec.kind))
+    starts = np.asarray([0, 3, m - 1, m + 2, 2 * m - 2])
+    steps = [(37, np.asarray([37, 20, 1, 37, 0])), (37, np.asarray([37, 37, 12, 0, 5])),
+             (1, np.asarray([1, 1, 1, 1, 0]))]
+    lengths = starts + sum(n_new for _, n_new in steps)
+    need = -(-lengths // PACKED_PAGE_TOKENS)
+    geometry = v4.CacheConfig(
+        num_pages=int(need.sum()) + 2, max_slots=len(lengths),
+        max_pages_per_seq=int(need.max()) + 1, page_tokens=PACKED_PAGE_TOKENS,
+        entry_dtype=fmt, index_dtype="fp4_index", window_dtype="float32",
+        tail_dtype="float32", hca_tail="online")
+    cache = synthetic.random_cache(model, geometry, lengths, seed=3, fill_unused=float("nan"))
+    rng = np.random.default_rng(9)
+    layers = jnp.arange(n, dtype=jnp.int32)[::-1]  # stack order != kernel order
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((n, spec.width)), jnp.float32)
+    inputs = [(jnp.asarray(n_new, jnp.int32),
+               *(jnp.asarray(rng.standard_normal((n, 5, tokens, spec.width)), jnp.float32)
+                 for _ in range(2))) for tokens, n_new in steps]
+
+    def run(implementation, pool, tail, steps=None):
+        """(pool, tails after each step) of the first `steps` steps (all by default; pool
+        None: state only)."""
+        start, tails = jnp.asarray(starts, jnp.int32), []
+        emit = jax.jit(functools.partial(ops.emit_entries_online, spec, model, geometry,
+                                         implementation=implementation, interpret=INTERPRET))
+        for n_new, kv, gate in inputs[:steps]:
+            pool, tail = emit(pool=pool, page_rows=cache.pages.page_table[:5], layers=layers,
+                              tail=tail, slot_ids=jnp.asarray([0, 1, 2, 3, 5]), kv=kv,
+                              gate=gate, start=start, n_new=n_new, norm=norm)
+            start = start + n_new
+            tails.append(tail)
+        return pool, tails
+
+    before = np.asarray(pools.entries(cache, "hca"))
+    tail = pools.tail(cache, "hca")
+    want_pool, want_tails = run("reference", before, tail)
+    return types.SimpleNamespace(run=run, before=before, tail=tail, want_pool=np.asarray(
+        want_pool), want_tails=want_tails, codec=storage.codec(model, geometry, "hca"),
+        fmt=fmt)
+
+
+def _assert_same_tail(got, want):
+    """Bit for bit in interpret mode; compiled on a device its exp may differ by an ulp."""
+    for field in ("max", "sum", "weighted"):
+        got_x, want_x = np.asarray(getattr(got, field)), np.asarray(getattr(want, field))
+        if INTERPRET:
+            np.testing.assert_array_equal(got_x, want_x, err_msg=field)
+        else:
+            np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-6, err_msg=field)
+
+
+@pytest.mark.parametrize("implementation,fmt", ONLINE_CASES,
+                         ids=[f"{i}-{f}" for i, f in ONLINE_CASES])
+def test_online_tail_kernel_matches_reference(implementation, fmt):
+    """Tails bit for bit the reference's after every step (same fp32 expressions, products
+    rounded before the sums); entries as in the emission tests (fp8: as the packed one); a
+    state-only replay (pool None) of the prefill gives the same tails."""
+    c = _online_case(fmt)
+    got_pool, got_tails = c.run(implementation, c.before, c.tail)
+    for got, want in zip(got_tails, c.want_tails, strict=True):
+        _assert_same_tail(got, want)
+    got_pool, want_pool, before = np.asarray(got_pool), c.want_pool, c.before
+    rows = _changed(want_pool, before).any(-1)
+    assert rows.sum() >= 10
+    np.testing.assert_array_equal(_changed(got_pool, before).any(-1), rows)
+    if c.fmt == "float32":
+        np.testing.assert_allclose(got_pool[rows], want_pool[rows], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got_pool[~rows], before[~rows])
+    else:
+        assert (got_pool[rows] == want_pool[rows]).mean() > 0.98
+        got_values, want_values = (_decoded(x[rows], c.codec) for x in (got_pool, want_pool))
+        bound = 2.0 ** -3 * np.abs(want_values) + 1e-6 * np.abs(want_values).max()
+        assert (np.abs(got_values - want_values) <= bound).all()
+    _, replayed = c.run(implementation, None, c.tail, steps=2)
+    _assert_same_tail(replayed[-1], c.want_tails[1])

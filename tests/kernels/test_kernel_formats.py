@@ -152,3 +152,40 @@ def test_tpu_encoder_is_the_storage_encode(fmt, width, rope_dim):
     want = (storage.encode_fp8_latent(x, rope_dim) if fmt == "fp8_latent"
             else storage.encode_fp4_key(x))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _gpu_planes(lay, rows):
+    rows = np.asarray(rows)
+    return [jnp.asarray(rows[:, first + stride * np.arange(lanes)])
+            for first, stride, lanes in formats.gpu_encoder_planes(lay)]
+
+
+# V4 widths, a row without RoPE dims, the test width of indexer keys (kernel_cases).
+GPU_ENCODER_ROWS = [("fp8_latent", 512, 64), ("fp8_latent", 128, 0), ("fp4_index", 128, 0),
+                    ("fp4_index", 64, 0)]
+
+
+@pytest.mark.parametrize("fmt,width,rope_dim", GPU_ENCODER_ROWS)
+def test_gpu_encoder_is_the_storage_encode(fmt, width, rope_dim):
+    """The GPU compressor's plane encoder on the same fp32 rows (fp4_index: already rotated),
+    and its Hadamard planes summed over runs of dims against `storage.hadamard`."""
+    lay = formats.layout(fmt, width, rope_dim, "gpu")
+    x = _values(40, width, seed=3)
+    if fmt == "fp8_latent":
+        rows, want = x, storage.encode_fp8_latent(x, rope_dim)
+    else:
+        rows, want = storage.hadamard(x), storage.encode_fp4_key(x)
+    segments = jax.jit(lambda planes: formats.encode_gpu(lay, planes))(_gpu_planes(lay, rows))
+    got = np.zeros(want.shape, np.uint32)
+    for first, words, n in segments:
+        got[:, first:first + n] = np.asarray(words).view(np.uint32)[:, :n]
+    np.testing.assert_array_equal(got, np.asarray(want))
+    if fmt == "fp4_index":
+        finite = jnp.asarray(np.random.default_rng(4).standard_normal((5, width)), jnp.float32)
+        run = width // 4
+        parts = [formats.hadamard_planes(lay, finite[:, d:d + run], d)
+                 for d in range(0, width, run)]
+        planes = [sum(p[j] for p in parts) * np.float32(width ** -0.5) for j in range(8)]
+        want_planes = _gpu_planes(lay, storage.hadamard(finite))
+        np.testing.assert_allclose(np.asarray(planes), np.asarray(want_planes), rtol=1e-5,
+                                   atol=1e-5)

@@ -72,19 +72,21 @@ def _indexer(module, packed=False):
         ratio=4, **(dict(index_format="fp4_index") if packed else {}))
 
 
-def _compress(module, ratio, overlap, packed=False):
-    in_width = 2 * HD if overlap else HD
+def _compress(module, ratio, overlap, packed=False, width=HD):
+    """packed: fp8_latent entries (width HD), fp4_index keys (width C)."""
+    in_width = 2 * width if overlap else width
     ring = 2 * ratio if overlap else ratio
-    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS), U32) if packed else sds(
-        (KIND_LAYERS, PAGES, P // ratio, HD), BF16)
+    fmt = ("fp8_latent" if width == HD else "fp4_index") if packed else None
+    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS if width == HD else FP4_WORDS),
+               U32) if packed else sds((KIND_LAYERS, PAGES, P // ratio, width), BF16)
     return module.emit_entries, (
         pool, ROWS, sds((KIND_LAYERS,), I32),
         sds((KIND_LAYERS, B, ring, in_width), F32), sds((KIND_LAYERS, B, ring, in_width), F32),
         sds((B,), I32), sds((KIND_LAYERS, B, T, in_width), F32),
         sds((KIND_LAYERS, B, T, in_width), F32), sds((B,), I32), sds((B,), I32),
-        sds((KIND_LAYERS, HD), F32), FREQ), dict(
+        sds((KIND_LAYERS, width), F32), FREQ), dict(
         ratio=ratio, overlap=overlap, eps=1e-6,
-        **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
+        **(dict(entry_format=fmt, rope_dim=64) if packed else {}))
 
 
 KERNELS = {
@@ -140,7 +142,47 @@ def test_tpu_compressor_writing_fp8_latent_lowers_to_mosaic(tpu_lowering_target)
     assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
 
 
+# The compressors writing the release formats: C4 and C128 entries in fp8_latent, indexer keys
+# (c 128, 64 RoPE dims) in fp4_index.
+PACKED_COMPRESSORS = {
+    "csa_fp8": functools.partial(_compress, ratio=4, overlap=True, packed=True),
+    "hca_fp8": functools.partial(_compress, ratio=128, overlap=False, packed=True),
+    "csa_index_fp4": functools.partial(_compress, ratio=4, overlap=True, packed=True, width=C),
+}
+
+
+@pytest.mark.parametrize("compressor", sorted(PACKED_COMPRESSORS))
+def test_gpu_compressor_writing_packed_pools_lowers_to_triton(compressor):
+    fn, args, kwargs = PACKED_COMPRESSORS[compressor](compress_gpu)
+    assert "triton" in _lower(fn, args, kwargs, "cuda")
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_gpu_kernels_lower_to_triton(kernel):
     fn, args, kwargs = KERNELS[kernel](MODULES["cuda"][kernel])
+    assert "triton" in _lower(fn, args, kwargs, "cuda")
+
+
+def _online(module, packed):
+    """The online HCA tail (m' 128) folding a chunk of T tokens, C128 entries in bf16 or
+    fp8_latent."""
+    pool = sds((KIND_LAYERS, PAGES, P // 128, FP8_WORDS), U32) if packed else sds(
+        (KIND_LAYERS, PAGES, P // 128, HD), BF16)
+    tail = sds((KIND_LAYERS, B, HD), F32)
+    return module.emit_entries_online, (
+        pool, ROWS, sds((KIND_LAYERS,), I32), tail, tail, tail, sds((B,), I32),
+        sds((KIND_LAYERS, B, T, HD), F32), sds((KIND_LAYERS, B, T, HD), F32), sds((B,), I32),
+        sds((B,), I32), sds((KIND_LAYERS, HD), F32), FREQ), dict(
+        ratio=128, eps=1e-6, **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
+def test_tpu_online_tail_lowers_to_mosaic(packed, tpu_lowering_target):
+    fn, args, kwargs = _online(compress_tpu, packed)
+    assert "tpu_custom_call" in _lower(fn, args, kwargs, "tpu")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
+def test_gpu_online_tail_lowers_to_triton(packed):
+    fn, args, kwargs = _online(compress_gpu, packed)
     assert "triton" in _lower(fn, args, kwargs, "cuda")
