@@ -335,6 +335,23 @@ def test_poisoned_packed_pools_never_leak(clean_release_run, poison):
     assert_runs_identical(clean_release_run, poisoned)
 
 
+# Power-of-two widths, as the GPU kernels need.
+POW2 = v4.tiny(head_dim=128, rope_dim=64, index_head_dim=64, index_heads=16,
+               compress_ratios=(0, 4, 16), index_topk=4)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_kernels_on_packed_pools_and_online_tails_never_read_unowned_rows(implementation):
+    """The kernels (interpret mode) decode packed rows, encode emitted entries and fold the
+    online HCA tail without reading a row no request owns."""
+    options = v4.Options(implementation=implementation, interpret=True, query_tile=16)
+    rounds = (1, 1, 1)
+    clean = core_scenario(_poisoner(None), options, rounds, model=POW2, geometry=RELEASE)
+    poisoned = core_scenario(_poisoner(POISONS["nan"]), options, rounds, model=POW2,
+                             geometry=RELEASE)
+    assert_runs_identical(clean, poisoned)
+
+
 def test_poison_fills_unowned_packed_rows_with_nan_words():
     cache = synthetic.random_cache(TINY, RELEASE, [40], fill_unused=float("nan"))
     poisoned = synthetic.poison_unowned(cache)
