@@ -366,9 +366,12 @@ def test_fp4_v4_round_trip_error_and_scores_on_normal_data():
     assert np.all(err <= np.repeat(scales, 32, axis=-1))  # half the top step (4 -> 6)
     assert err.max() <= 1.0  # observed 0.61 (seed 2); amax in (3, 6] -> scale 1, top step 2
     # scores against decoded keys: rotated query . decoded key == the fake-quantised reference
-    scores = np.asarray(_hadamard(q)) @ values.T
-    fake = np.asarray(_hadamard(q), np.float64) @ np_encode_fp4(rotated)[1].T
-    np.testing.assert_allclose(scores, fake, rtol=0, atol=1e-5)
+    # (both summed in float64: an fp32 sum of 128 products of scores near 40 is itself off by
+    # more than 1e-5 on some BLAS kernels, which is not what this checks)
+    rotated_q = np.asarray(_hadamard(q), np.float64)
+    scores = rotated_q @ values.astype(np.float64).T
+    fake = rotated_q @ np_encode_fp4(rotated)[1].astype(np.float64).T
+    np.testing.assert_allclose(scores, fake, rtol=0, atol=1e-9)
 
 
 def test_fp4_grid_ties_subnormal_saturation_and_zero():
