@@ -3,7 +3,7 @@
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
 from v4kv_jax.attention import output_projection
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
-from v4kv_jax.engine import Engine, EngineReport, RequestOutput
+from v4kv_jax.engine import Engine, EngineError, EngineReport, RequestOutput
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
@@ -46,7 +46,8 @@ from v4kv_jax.vectors import (
 
 __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput", "CompressorParams",
-    "CompressorWeights", "Engine", "EngineReport", "LayerKind", "LayerParams", "LayerRef",
+    "CompressorWeights", "Engine", "EngineError", "EngineReport", "LayerKind", "LayerParams",
+    "LayerRef",
     "LayerVectors", "MemoryReport", "Options", "Queries", "RequestOutput", "SlotStatus",
     "StateSnapshot", "TokenVectors", "append_and_attend", "attach_prefix", "begin_append",
     "clear_flags", "decode_attention", "decode_step", "drop_pages", "end_append", "flash",

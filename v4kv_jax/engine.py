@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -174,6 +175,25 @@ class RequestOutput:
     logits: np.ndarray | None = None
 
 
+class EngineError(RuntimeError):
+    """The engine lost its cache (a device program failed after taking it over) and runs no
+    further step; every later call raises this again.
+
+    Attributes:
+      cause: what failed, as "ExceptionType: message".
+      finished: outputs of finished requests that no `step()` returned yet (only the first
+        EngineError carries them).
+      lost: ids of the requests in flight (queued or running) whose work is gone: submit
+        their prompts to a new Engine.
+    """
+
+    def __init__(self, cause: str, finished: list[RequestOutput], lost: list[int]):
+        self.cause, self.finished, self.lost = cause, finished, lost
+        super().__init__(f"Engine: its cache was lost ({cause}); no further step runs. "
+                         f"Requests in flight lost: {lost}; finished outputs carried by this "
+                         f"error: {[o.request_id for o in finished]}. Make a new Engine.")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """An admission: hit depth in pages, how the State is rebuilt (`RESTORES`), and the
@@ -229,10 +249,13 @@ class EngineReport:
       pages_shared: pages two or more live requests hold (one physical copy).
       pages_indexed: pages the prefix index lists.
       pages_cached_only: listed pages no live request holds (evictable).
-      snapshots: tier -> (count, bytes).
+      snapshots: tier -> (count, bytes); disk: the files `snapshot_dir` holds (this
+        engine's and any other's it found there).
+      snapshot_dir: the disk tier as one line (path, files, bytes, bound or read-only,
+        filesystem errors caught), or None without one.
       stats: counters: requests, hits, prompt_tokens, cached_tokens, replayed_tokens,
         recomputed_tokens (prompt tokens computed), pages_evicted, pages_loaded (from disk),
-        snapshots_taken, snapshots_dropped.
+        snapshots_taken, snapshots_dropped, disk_errors (filesystem errors caught).
     """
 
     cache: pools.MemoryReport
@@ -242,6 +265,7 @@ class EngineReport:
     pages_cached_only: int
     snapshots: dict[str, tuple[int, int]]
     stats: dict[str, int]
+    snapshot_dir: str | None = None
 
     @property
     def cached_fraction(self) -> float:
@@ -262,7 +286,7 @@ class EngineReport:
             f"({100 * self.cached_fraction:.1f} %), replayed {s['replayed_tokens']:,}, "
             f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
             f"requests; {s['pages_evicted']} pages evicted",
-        ])
+        ] + ([f"Snapshot directory {self.snapshot_dir}"] if self.snapshot_dir else []))
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -281,9 +305,13 @@ class Engine:
       snapshot_every_pages: also snapshot the State every this many pages (None: only at
         the last full page boundary of every prompt).
       device_snapshots, host_snapshots: sizes of the device and host snapshot tiers.
-      snapshot_dir: the disk tier's directory (None: no disk tier); an engine over a
-        directory another engine of the same fingerprint wrote hits its snapshots.
-      disk_snapshots: the disk tier's size (None: unbounded).
+      snapshot_dir: the disk tier's directory (None: no disk tier; made if missing; one that
+        cannot be written is a read-only tier, said once by a warning); an engine over a
+        directory another engine of the same fingerprint wrote (and `flush`ed or `close`d)
+        hits its snapshots. Filesystem faults there never fail a step: see `step`.
+      disk_snapshots: the disk tier's size in files (None: no bound on the count).
+      disk_bytes: the disk tier's size in bytes (None: unbounded; default 4 GiB); least
+        recently used files are deleted past either bound.
       seed: the sampling seed (each request draws from its own stream, whatever the batch).
       keep_logits: return each generated token's logits in its `RequestOutput`.
       options: how the ops run.
@@ -293,8 +321,8 @@ class Engine:
                  token_budget: int | None = None, snapshot_every_pages: int | None = None,
                  device_snapshots: int = 8, host_snapshots: int = 32,
                  snapshot_dir: str | os.PathLike | None = None,
-                 disk_snapshots: int | None = None, seed: int = 0, keep_logits: bool = False,
-                 options: Options | None = None):
+                 disk_snapshots: int | None = None, disk_bytes: int | None = prefix.DISK_BYTES,
+                 seed: int = 0, keep_logits: bool = False, options: Options | None = None):
         if not isinstance(model, Decoder):
             checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
         if not isinstance(geometry, CacheConfig):
@@ -309,8 +337,6 @@ class Engine:
         if snapshot_every_pages is not None:
             snapshot_every_pages = checks.integer("snapshot_every_pages", snapshot_every_pages,
                                                   lo=1)
-        if snapshot_dir is not None:
-            prefix.check_directory("snapshot_dir", snapshot_dir)
         if not isinstance(keep_logits, bool):
             checks.fail("keep_logits", "a bool", repr(keep_logits), TypeError)
         self.snapshot_every_pages = snapshot_every_pages
@@ -333,12 +359,15 @@ class Engine:
         self.snapshots = prefix.SnapshotStore(
             jax.eval_shape(lambda c: pools.snapshot_state(c, 0), self.cache),
             device_snapshots=device_snapshots, host_snapshots=host_snapshots,
-            directory=snapshot_dir, disk_snapshots=disk_snapshots,
-            page_contents=self._chain_contents)
+            directory=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes,
+            page_contents=self._chain_contents, directory_name="snapshot_dir")
         self._requests: dict[int, _Request] = {}
         self._queue: list[int] = []
         self._ids = itertools.count()
-        self._held_back: list[RequestOutput] = []
+        self._finished: list[RequestOutput] = []  # outputs no step() has returned yet
+        self._unreleased: list[_Request] = []  # finished requests whose slot is still held
+        self._broken: str | None = None  # what lost the cache
+        self._closed = False
         self.stats = dict.fromkeys(
             ("requests", "hits", "prompt_tokens", "cached_tokens", "replayed_tokens",
              "recomputed_tokens", "pages_evicted", "pages_loaded", "snapshots_taken"), 0)
@@ -346,6 +375,42 @@ class Engine:
     @property
     def geometry(self) -> CacheConfig:
         return self.cache.geometry
+
+    # --- the disk tier and shutdown ---------------------------------------------------------------
+
+    def flush(self) -> int:
+        """Writes every device and host snapshot (with its chain's pages) to `snapshot_dir`,
+        so that an engine started later over the directory hits them; they also stay on their
+        tiers. Returns how many files were written. A write that fails is warned about and
+        skipped (see `step`); without a `snapshot_dir`, or over a read-only one, nothing is
+        written (0)."""
+        self._check_usable()
+        return self.snapshots.flush()
+
+    def close(self) -> list[RequestOutput]:
+        """Flushes the snapshots to disk and ends the engine: later calls raise. Requests
+        still in flight are aborted (a warning names them) and returned with the outputs no
+        `step()` returned yet."""
+        if self._closed:
+            return []
+        out = []
+        if self._broken is None:
+            self.flush()
+            for request_id in list(self._requests):
+                out.append(self.abort(request_id))
+            if out:
+                warnings.warn(f"Engine.close: requests {[o.request_id for o in out]} were in "
+                              "flight; aborted", RuntimeWarning, stacklevel=2)
+        out = self._finished + out
+        self._finished = []
+        self._closed = True
+        return out
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -366,6 +431,7 @@ class Engine:
           pass the cache's max_seq_len; `PoolExhaustedError` when they need more pages than
           the whole pool has (the request could never run).
         """
+        self._check_usable()
         V = self.config.vocab_size
         if isinstance(prompt_ids, (str, bytes)):
             checks.fail("prompt_ids", "a 1-D sequence of token ids", prompt_ids, TypeError)
@@ -395,6 +461,7 @@ class Engine:
 
     def abort(self, request_id: int) -> RequestOutput:
         """Ends a queued or running request now; returns what it generated ("aborted")."""
+        self._check_usable()
         req = self._request(request_id)
         if req.slot is None:
             self._queue.remove(request_id)
@@ -438,11 +505,10 @@ class Engine:
             raise
         done: dict[int, RequestOutput] = {}
         while len(done) < len(ids):
-            for out in self._step():
-                if out.request_id in ids:
-                    done[out.request_id] = out
-                else:
-                    self._held_back.append(out)
+            self._step()
+            mine = [o for o in self._finished if o.request_id in ids]
+            self._finished = [o for o in self._finished if o.request_id not in ids]
+            done.update((o.request_id, o) for o in mine)
         return [done[r] for r in ids]
 
     # --- the step ---------------------------------------------------------------------------------
@@ -450,11 +516,46 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: admissions, then one program with the replay and prefill rows
         within the token budget and one decode token of every request past its prompt.
-        Returns the requests that finished (empty when nothing is in flight)."""
-        held, self._held_back = self._held_back, []
-        return held + self._step()
+        Returns the requests that finished (empty when nothing is in flight), those of an
+        earlier step that raised included.
 
-    def _step(self) -> list[RequestOutput]:
+        The step is all or nothing on the host side: every request's progress is recorded as
+        soon as the device program has run, before any prefix-cache work (listing pages,
+        snapshots, disk), and finished requests are kept until a `step()` returns them. So
+        when that later work raises, every request's host state still matches the device and
+        the engine goes on. Should the cache itself be lost (a failure inside a device program
+        after it took the cache over), the engine raises `EngineError` from then on, carrying
+        the outputs it still holds and the ids of the requests it lost.
+        """
+        self._step()
+        out, self._finished = self._finished, []
+        return out
+
+    def _step(self) -> None:
+        self._check_usable()
+        try:
+            self._run_step()
+        except BaseException as e:
+            if self._cache_lost():
+                self._broken = f"{type(e).__name__}: {e}"
+                raise self._error() from e
+            raise
+
+    def _cache_lost(self) -> bool:
+        return any(x.is_deleted() for x in jax.tree.leaves(self.cache))
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("Engine: closed (close() was called); make a new Engine")
+        if self._broken is not None:
+            raise self._error()
+
+    def _error(self) -> EngineError:
+        finished, self._finished = self._finished, []
+        return EngineError(self._broken, finished, list(self._requests))
+
+    def _run_step(self) -> None:
+        self._release_finished()
         while self._queue and self._admit(self._requests[self._queue[0]]):
             self._queue.pop(0)
         running = [r for r in self._requests.values() if r.slot is not None]
@@ -462,7 +563,63 @@ class Engine:
             if self._queue:  # cannot happen: an empty pool holds any queued request
                 raise RuntimeError(f"requests {self._queue} cannot be admitted into an idle "
                                    "engine")
-            return []
+            return
+        batch, work = self._batch(running)
+        cache, nxt, logits = _step_jit(self.graphdef, self.options, self.params, self.cache,
+                                       batch, self._key)
+        # Fetch everything the host needs first: a device failure surfaces here, before any
+        # host state changes (the old cache was taken over: see `_step`).
+        nxt = np.asarray(nxt)
+        logits = np.asarray(logits) if self.keep_logits else None
+        table = np.asarray(cache.pages.page_table)
+        flag_error = self.table.flag_error(cache, [r.id for r in running],
+                                           {r.id: r.length + 1 for r in running})
+        self.cache = cache
+        flagged = set() if flag_error is None else set(flag_error.flags)
+        # Commit: every request's progress, as the device has it. Nothing here can fail.
+        finished: list[_Request] = []
+        advanced = []
+        for req in running:
+            if req.id not in work or req.id in flagged:
+                continue
+            phase, n = work[req.id]
+            if phase == "replay":
+                req.replay_at += n
+                continue
+            req.length += n
+            advanced.append((req, phase))
+            if phase == "prefill" and req.length < len(req.prompt):
+                continue
+            token = int(nxt[req.slot])
+            req.generated.append(token)
+            req.tokens.append(token)
+            if logits is not None:
+                req.logits.append(logits[req.slot].copy())
+            if req.eos_id is not None and token == req.eos_id:
+                finished.append((req, "eos"))
+            elif len(req.generated) == req.max_new_tokens:
+                finished.append((req, "length"))
+        self._finished += [self._output(req, reason) for req, reason in finished]
+        # Prefix-cache work; finished slots are released whatever happens to it.
+        self._unreleased += [req for req, _ in finished]
+        try:
+            for req, phase in advanced:
+                self._list_pages(req, table)
+                self._maybe_snapshot(req, prompt_end=phase == "prefill")
+        except BaseException:
+            if not self._cache_lost():
+                try:
+                    self._release_finished()
+                except Exception:  # noqa: BLE001 - kept in _unreleased, tried next step
+                    pass
+            raise
+        self._release_finished()
+        if flag_error is not None:  # a bug of admission (it reserves every page needed)
+            self._broken = f"{type(flag_error).__name__}: {flag_error}"
+            raise flag_error
+
+    def _batch(self, running: list[_Request]) -> tuple[StepBatch, dict[int, tuple[str, int]]]:
+        """The step's rows, and request id -> (phase, tokens) for each request with work."""
         S, C = self.geometry.max_slots, self.prefill_chunk
         rows = {name: np.full((S,) + shape, fill, np.int32) for name, shape, fill in (
             ("replay_tokens", (C,), 0), ("replay_slots", (), -1), ("replay_start", (), 0),
@@ -494,51 +651,37 @@ class Engine:
             work[req.id] = (phase, n)
         batch = StepBatch(**{k: jnp.asarray(v) for k, v in rows.items()},
                           temperature=jnp.asarray(temperature))
-        self.cache, nxt, logits = _step_jit(self.graphdef, self.options, self.params,
-                                            self.cache, batch, self._key)
-        self._raise_flags(running)
-        nxt = np.asarray(nxt)
-        logits = np.asarray(logits) if self.keep_logits else None
-        table = np.asarray(self.cache.pages.page_table)
-        finished = []
-        for req in running:
-            if req.id not in work:
-                continue
-            phase, n = work[req.id]
-            if phase == "replay":
-                req.replay_at += n
-                continue
-            req.length += n
-            self._list_pages(req, table)
-            if phase == "prefill":
-                self._maybe_snapshot(req, prompt_end=True)
-                if req.length < len(req.prompt):
-                    continue
-            else:
-                self._maybe_snapshot(req, prompt_end=False)
-            token = int(nxt[req.slot])
-            req.generated.append(token)
-            req.tokens.append(token)
-            if logits is not None:
-                req.logits.append(logits[req.slot].copy())
-            if req.eos_id is not None and token == req.eos_id:
-                finished.append(self._finish(req, "eos"))
-            elif len(req.generated) == req.max_new_tokens:
-                finished.append(self._finish(req, "length"))
-        return finished
+        return batch, work
 
-    def _raise_flags(self, running: list[_Request]) -> None:
-        """A flagged slot is a bug of the engine's admission (it reserves every page a
-        running request needs): raise the manager's error instead of going on silently."""
-        error = self.table.flag_error(self.cache, [r.id for r in running],
-                                      {r.id: r.length + 1 for r in running})
+    def _release_finished(self) -> None:
+        """Releases the slots of finished requests; one that raises stays listed (and is
+        tried again at the next step) while the others go on."""
+        failed, error = [], None
+        for req in self._unreleased:
+            try:
+                self._release(req)
+            except Exception as e:  # noqa: BLE001 - kept, re-raised below
+                failed.append(req)
+                error = error or e
+        self._unreleased = failed
         if error is not None:
             raise error
 
-    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+    def _release(self, req: _Request) -> None:
+        """Gives a request's slot (and the pages only it holds) back."""
         if req.slot is not None:
             self.cache = self.table.release(self.cache, req.id)
-        del self._requests[req.id]
+            req.slot = None
+
+    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+        out = self._output(req, reason)
+        self._release(req)
+        return out
+
+    def _output(self, req: _Request, reason: str) -> RequestOutput:
+        """The request's output; it leaves the requests in flight (its slot is not released
+        here)."""
+        self._requests.pop(req.id, None)
         return RequestOutput(
             request_id=req.id, prompt_ids=req.prompt.tolist(), tokens=list(req.generated),
             finish_reason=reason, cached_tokens=req.cached, replayed_tokens=req.replayed,
@@ -550,7 +693,8 @@ class Engine:
     # --- the prefix index -------------------------------------------------------------------------
 
     def _list_pages(self, req: _Request, table: np.ndarray) -> None:
-        """Lists the request's full pages in the index (a reference each for the index)."""
+        """Lists the request's full pages in the index (a reference each for the index, taken
+        before a page is listed, and given back if listing it fails)."""
         P = self.geometry.page_tokens
         full = req.length // P
         if full <= len(req.digests) and all(d in self.index for d in req.digests):
@@ -558,13 +702,19 @@ class Engine:
         req.digests += prefix.chain_digests(req.tokens[:full * P], P, req.namespace,
                                             first=len(req.digests),
                                             previous=req.digests[-1] if req.digests else b"")
-        new = []
-        for j, digest in enumerate(req.digests[:full]):
-            if self.index.add(digest, req.digests[j - 1] if j else None,
-                              int(table[req.slot, j])):
-                new.append(int(table[req.slot, j]))
+        new = [int(table[req.slot, j]) for j in range(full) if req.digests[j] not in self.index]
         if new:
             self.cache = _hold(self.cache, self._padded(new))
+        try:
+            for j, digest in enumerate(req.digests[:full]):
+                self.index.add(digest, req.digests[j - 1] if j else None,
+                               int(table[req.slot, j]))
+        except BaseException:
+            listed = set(self.index.pages().values())
+            unlisted = [p for p in new if p not in listed]
+            if unlisted and not self._cache_lost():
+                self.cache = _drop(self.cache, self._padded(unlisted))
+            raise
 
     def _padded(self, page_ids: list[int]) -> jax.Array:
         ids = np.full((self.geometry.num_pages,), -1, np.int32)
@@ -626,6 +776,26 @@ class Engine:
         if plan is None:
             return False
         self.cache, req.slot = self.table.admit(self.cache, req.id)
+        try:
+            self._enter(req, digests, plan)
+        except BaseException:  # all or nothing: the request stays queued as it was
+            if not self._cache_lost():
+                self._release(req)
+                req.length = req.cached = req.replay_at = req.replay_end = req.replayed = 0
+                req.digests, req.restored_by, req.snapshot_tier = [], "none", None
+            raise
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(req.prompt)
+        self.stats["cached_tokens"] += req.cached
+        self.stats["replayed_tokens"] += req.replayed
+        self.stats["recomputed_tokens"] += len(req.prompt) - req.cached
+        self.stats["hits"] += bool(plan.depth)
+        return True
+
+    def _enter(self, req: _Request, digests: list[bytes], plan: _Plan) -> None:
+        """Attaches the hit's pages to the request's slot and rebuilds its State (or plans
+        the replay that does)."""
+        P = self.geometry.page_tokens
         if plan.loaded is not None and plan.loaded.pages is not None:
             memory = len(self.index.match(digests[:plan.depth]))
             if memory < plan.depth:
@@ -650,13 +820,6 @@ class Engine:
         elif plan.depth:
             req.replay_at, req.replay_end = b - self.replay_pages * P, b
         req.replayed = req.replay_end - req.replay_at
-        self.stats["requests"] += 1
-        self.stats["prompt_tokens"] += len(req.prompt)
-        self.stats["cached_tokens"] += b
-        self.stats["replayed_tokens"] += req.replayed
-        self.stats["recomputed_tokens"] += len(req.prompt) - b
-        self.stats["hits"] += bool(plan.depth)
-        return True
 
     def _plan(self, req: _Request, digests: list[bytes], *, disk: bool) -> _Plan | None:
         """How `req` is admitted: the hit and how its State is rebuilt, with the pages it
@@ -720,6 +883,7 @@ class Engine:
         table = np.asarray(self.cache.pages.page_table)
         holders = np.bincount(table[table >= 0], minlength=self.geometry.num_pages)
         listed = set(self.index.pages().values())
+        disk = self.snapshots.disk
         return EngineReport(
             cache=pools.memory_report(self.cache),
             pages_in_requests=int(np.sum(holders > 0)),
@@ -728,9 +892,11 @@ class Engine:
             pages_cached_only=sum(1 for p in listed if holders[p] == 0),
             snapshots={t: (self.snapshots.count(t), self.snapshots.nbytes(t))
                        for t in prefix.TIERS},
-            stats={**self.stats, "snapshots_dropped": self.snapshots.dropped},
+            stats={**self.stats, "snapshots_dropped": self.snapshots.dropped,
+                   "disk_errors": 0 if disk is None else disk.errors},
+            snapshot_dir=None if disk is None else disk.describe(),
         )
 
 
-__all__ = ["FINISH_REASONS", "RESTORES", "Engine", "EngineReport", "RequestOutput", "StepBatch",
-           "compiled_step_programs"]
+__all__ = ["FINISH_REASONS", "RESTORES", "Engine", "EngineError", "EngineReport",
+           "RequestOutput", "StepBatch", "compiled_step_programs"]

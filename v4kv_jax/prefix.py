@@ -10,7 +10,8 @@ and the boundary snapshots of the State in three tiers.
   SnapshotStore   digest of the page before a boundary -> the State at that boundary
                   (`pools.StateSnapshot`): a bounded device tier, demoted by LRU to a bounded
                   host tier (numpy) and to a directory (one checksummed file per snapshot,
-                  with the contents of its chain's pages, so that another process hits)
+                  with the contents of its chain's pages, so that another process hits;
+                  `prefix_disk` catches every filesystem fault there)
 
 A digest names a whole prefix: equal digests mean equal token ids in every block before it,
 under the same fingerprint and salt (sha256; Python's hash() is never used).
@@ -23,8 +24,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
-import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,9 +31,9 @@ import numpy as np
 
 from v4kv_jax import checks
 from v4kv_jax.pools import StateSnapshot
+from v4kv_jax.prefix_disk import SnapshotDirectory
 
 _FORMAT = b"V4KV-SNAPSHOT-1\n"
-_SUFFIX = ".v4snap"
 TIERS = ("device", "host", "disk")
 
 
@@ -227,89 +226,94 @@ class LoadedSnapshot:
     pages: dict[str, np.ndarray] | None = None
 
 
-def check_directory(name: str, directory) -> None:
-    """A path (str or os.PathLike) to a directory or to nothing yet (one is made there)."""
-    if not isinstance(directory, (str, os.PathLike)):
-        checks.fail(name, "a path (str or os.PathLike) or None", type(directory).__name__,
-                    TypeError)
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        checks.fail(name, "a directory (or a path to create one at)",
-                    f"{os.fspath(directory)!r}, which is a file")
-
-
 def _nbytes(snapshot: StateSnapshot) -> int:
     return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
                    for x in jax.tree.leaves(snapshot)))
 
 
+DISK_BYTES = 4 << 30  # the disk tier's default bound
+
+
 class SnapshotStore:
     """Boundary snapshots in three tiers, each an LRU: device (up to `device_snapshots`), host
-    numpy (up to `host_snapshots`), and files in `directory` (up to `disk_snapshots`; None =
-    no bound). A snapshot is put on the device tier; the least recently used one of a full
-    tier moves down a tier (to disk only when `page_contents` can read its chain's pages),
-    and one falling off the last tier is dropped.
+    numpy (up to `host_snapshots`), and files in a directory (`prefix_disk.SnapshotDirectory`:
+    up to `disk_snapshots` files and `disk_bytes` bytes). A snapshot is put on the device
+    tier; the least recently used one of a full tier moves down a tier (to disk only when
+    `page_contents` can read its chain's pages), and one falling off the last tier is dropped.
+    `flush()` also writes every device and host snapshot to disk (they stay where they are),
+    so another process over the directory hits them.
 
-    A file is written to a temporary name in the same directory, flushed, fsync'd and renamed
-    (`os.replace`), so a reader never sees half a file; it holds a sha256 of its payload. A
-    file that is truncated, corrupt, of another format, or whose arrays do not fit the
-    snapshot structure is reported with `warnings.warn` naming it, deleted, and never used.
+    A file holds a sha256 of its payload and the contents of its chain's pages. A file that is
+    truncated, corrupt, of another format, or whose arrays do not fit the snapshot structure
+    is reported with `warnings.warn` naming it, deleted (unless the directory is read-only),
+    and never used. Filesystem faults are the directory's to catch: a snapshot that cannot be
+    written stays off disk, one that cannot be read is a miss; neither raises.
 
     Args:
       template: a `StateSnapshot` of the cache (arrays or `jax.ShapeDtypeStruct`s): the
         structure, shapes and dtypes every snapshot must have.
       device_snapshots, host_snapshots: tier sizes (>= 0).
-      directory: the disk tier's folder (created if missing), or None for no disk tier.
-        Files already there are found by name and checked when read.
-      disk_snapshots: disk tier size (>= 0), or None.
+      directory: the disk tier's folder (made if missing; read-only if it cannot be written),
+        or None for no disk tier. Files already there are found by name and checked when read.
+      disk_snapshots: disk tier size in files (>= 0), or None for no bound on the count.
+      disk_bytes: disk tier size in bytes (>= 0; default `DISK_BYTES`), or None for no bound.
       page_contents: record -> the Classical contents of the record's chain pages (numpy,
         as `LoadedSnapshot.pages`), or None when they are no longer in the pool.
+      directory_name: the argument name that errors about `directory` use.
     """
 
     def __init__(self, template: StateSnapshot, *, device_snapshots: int, host_snapshots: int,
                  directory: str | os.PathLike | None = None, disk_snapshots: int | None = None,
-                 page_contents: Callable[[SnapshotRecord], dict | None] | None = None):
+                 disk_bytes: int | None = DISK_BYTES,
+                 page_contents: Callable[[SnapshotRecord], dict | None] | None = None,
+                 directory_name: str = "directory"):
         self.device_snapshots = checks.integer("device_snapshots", device_snapshots, lo=0)
         self.host_snapshots = checks.integer("host_snapshots", host_snapshots, lo=0)
         if disk_snapshots is not None:
             disk_snapshots = checks.integer("disk_snapshots", disk_snapshots, lo=0)
-        self.disk_snapshots = disk_snapshots
-        self.directory = None
+        if disk_bytes is not None:
+            disk_bytes = checks.integer("disk_bytes", disk_bytes, lo=0)
+        self.disk: SnapshotDirectory | None = None
         if directory is not None:
-            check_directory("directory", directory)
-            os.makedirs(directory, exist_ok=True)
-            self.directory = os.fspath(directory)
+            self.disk = SnapshotDirectory(directory, max_files=disk_snapshots,
+                                          max_bytes=disk_bytes, name=directory_name)
         self._structure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        template)
         self._page_contents = page_contents
         self._tiers: dict[str, collections.OrderedDict] = {
-            t: collections.OrderedDict() for t in TIERS}
-        self._bytes = {t: 0 for t in TIERS}
-        self.dropped = 0
-        if self.directory is not None:
-            found = []
-            for name in os.listdir(self.directory):
-                path = os.path.join(self.directory, name)
-                if name.endswith(_SUFFIX) and not name.startswith("."):
-                    try:
-                        key = bytes.fromhex(name[:-len(_SUFFIX)])
-                    except ValueError:
-                        continue
-                    found.append((os.path.getmtime(path), key, os.path.getsize(path)))
-            for _, key, size in sorted(found):
-                self._tiers["disk"][key] = size
-                self._bytes["disk"] += size
+            t: collections.OrderedDict() for t in TIERS[:2]}
+        self._bytes = {t: 0 for t in TIERS[:2]}
+        self._dropped = 0
+
+    @property
+    def directory(self) -> str | None:
+        return None if self.disk is None else self.disk.path
+
+    @property
+    def dropped(self) -> int:
+        """Snapshots that fell off the last tier, could not be stored there, or were evicted
+        from the disk tier."""
+        return self._dropped + (0 if self.disk is None else self.disk.evicted)
 
     # --- queries ----------------------------------------------------------------------------------
 
     def tier_of(self, key: bytes) -> str | None:
-        """The tier holding `key`, or None."""
-        return next((t for t in TIERS if key in self._tiers[t]), None)
+        """The highest tier holding `key`, or None."""
+        if key in self._tiers["device"]:
+            return "device"
+        if key in self._tiers["host"]:
+            return "host"
+        return "disk" if self.disk is not None and key in self.disk else None
 
     def count(self, tier: str) -> int:
+        if tier == "disk":
+            return 0 if self.disk is None else len(self.disk)
         return len(self._tiers[tier])
 
     def nbytes(self, tier: str) -> int:
         """Bytes the tier holds (disk: file sizes)."""
+        if tier == "disk":
+            return 0 if self.disk is None else self.disk.nbytes
         return self._bytes[tier]
 
     # --- put and get ------------------------------------------------------------------------------
@@ -319,15 +323,16 @@ class SnapshotStore:
         first tier with room for one), demoting least recently used ones; a key held already
         is only marked used."""
         tier = self.tier_of(record.key)
-        if tier is not None:
-            if tier != "disk":
-                self._tiers[tier].move_to_end(record.key)
-            return
-        self._insert("device", record, state)
+        if tier == "disk":
+            self.disk.touch(record.key)
+        elif tier is not None:
+            self._tiers[tier].move_to_end(record.key)
+        else:
+            self._insert("device", record, state)
 
     def get(self, key: bytes) -> LoadedSnapshot | None:
         """The snapshot of `key` from whichever tier holds it (marked used there), or None
-        (also for a bad file, which is reported and deleted)."""
+        (also for a file that cannot be read or is bad, which is reported)."""
         tier = self.tier_of(key)
         if tier is None:
             return None
@@ -335,46 +340,43 @@ class SnapshotStore:
             self._tiers[tier].move_to_end(key)
             record, state = self._tiers[tier][key]
             return LoadedSnapshot(record, state, tier)
-        loaded = self._read(key)
-        if loaded is None:
-            self._forget_file(key)
+        raw = self.disk.read(key)
+        if raw is None:
             return None
-        self._tiers["disk"].move_to_end(key)
-        os.utime(self._path(key))
-        return loaded
+        try:
+            return self._parse(key, raw)
+        except (ValueError, KeyError, TypeError) as e:
+            self.disk.discard(key, str(e))
+            return None
+
+    def flush(self) -> int:
+        """Writes every device and host snapshot that is not on disk yet (least recently used
+        first) to the disk tier, with its chain's pages; they also stay where they are.
+        Returns how many were written (0 without a disk tier, or read-only; a snapshot whose
+        pages left the pool, or whose write fails, is skipped: the latter warned)."""
+        written = 0
+        if self.disk is None or self.disk.read_only is not None:
+            return 0
+        for tier in ("host", "device"):
+            for record, state in list(self._tiers[tier].values()):
+                if record.key not in self.disk:
+                    written += self._to_disk(record, state)
+        return written
 
     def clear(self, *, disk: bool = False) -> None:
         """Drops the device and host tiers (and with `disk`, deletes the files)."""
         for tier in ("device", "host"):
             self._tiers[tier].clear()
             self._bytes[tier] = 0
-        if disk:
-            for key in list(self._tiers["disk"]):
-                self._forget_file(key)
-
-    def _limit(self, tier: str) -> int | None:
-        return {"device": self.device_snapshots, "host": self.host_snapshots,
-                "disk": self.disk_snapshots}[tier]
+        if disk and self.disk is not None:
+            self.disk.clear()
 
     def _insert(self, tier: str, record: SnapshotRecord, state: StateSnapshot) -> None:
         if tier == "disk":
-            if self.directory is None or self._page_contents is None:
-                self.dropped += 1
-                return
-            pages = self._page_contents(record)
-            if pages is None:  # its chain's pages left the pool: nothing to restore it with
-                self.dropped += 1
-                return
-            if self.disk_snapshots is not None and self.disk_snapshots == 0:
-                self.dropped += 1
-                return
-            self._write(record, state, pages)
-            while (self.disk_snapshots is not None
-                   and len(self._tiers["disk"]) > self.disk_snapshots):
-                self._forget_file(next(iter(self._tiers["disk"])))
-                self.dropped += 1
+            if not self._to_disk(record, state):
+                self._dropped += 1
             return
-        limit = self._limit(tier)
+        limit = self.device_snapshots if tier == "device" else self.host_snapshots
         below = TIERS[TIERS.index(tier) + 1]
         if limit == 0:
             self._insert(below, record, state)
@@ -388,95 +390,80 @@ class SnapshotStore:
             self._bytes[tier] -= _nbytes(old_state)
             self._insert(below, old_record, old_state)
 
-    # --- files ------------------------------------------------------------------------------------
-
-    def _path(self, key: bytes) -> str:
-        return os.path.join(self.directory, key.hex() + _SUFFIX)
-
-    def _forget_file(self, key: bytes) -> None:
-        self._bytes["disk"] -= self._tiers["disk"].pop(key, 0)
-        try:
-            os.remove(self._path(key))
-        except FileNotFoundError:
-            pass
-
-    def _write(self, record: SnapshotRecord, state: StateSnapshot, pages: dict) -> None:
-        arrays = {f"state{jax.tree_util.keystr(p)}": np.asarray(x)
-                  for p, x in jax.tree_util.tree_leaves_with_path(state)}
-        arrays.update({f"pages[{name!r}]": np.asarray(x) for name, x in pages.items()})
-        meta, blobs, offset = [], [], 0
-        for name, x in arrays.items():
-            data = np.ascontiguousarray(x).tobytes()
-            meta.append({"name": name, "dtype": str(x.dtype), "shape": list(x.shape),
-                         "offset": offset, "nbytes": len(data)})
-            blobs.append(data)
-            offset += len(data)
-        header = json.dumps({"key": record.key.hex(), "length": record.length,
-                             "chain": [d.hex() for d in record.chain],
-                             "arrays": meta}).encode()
-        payload = len(header).to_bytes(8, "little") + header + b"".join(blobs)
-        digest = hashlib.sha256(payload).hexdigest().encode()
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{record.key.hex()[:16]}.",
-                                   suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_FORMAT + digest + b"\n" + payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(record.key))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
-        size = os.path.getsize(self._path(record.key))
-        self._tiers["disk"][record.key] = size
-        self._bytes["disk"] += size
-
-    def _read(self, key: bytes) -> LoadedSnapshot | None:
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-            return self._parse(key, raw)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"snapshot file {path} is unusable ({e}); deleted, the State is "
-                          "rebuilt another way", RuntimeWarning, stacklevel=3)
-            return None
+    def _to_disk(self, record: SnapshotRecord, state: StateSnapshot) -> bool:
+        """Stores the snapshot as a file; True when the disk tier holds it afterwards."""
+        if self.disk is None or self._page_contents is None:
+            return False
+        if record.key in self.disk:
+            self.disk.touch(record.key)
+            return True
+        if self.disk.read_only is not None or self.disk.max_files == 0:
+            return False
+        pages = self._page_contents(record)
+        if pages is None:  # its chain's pages left the pool: nothing to restore it with
+            return False
+        return self.disk.write(record.key, _encode(record, state, pages))
 
     def _parse(self, key: bytes, raw: bytes) -> LoadedSnapshot:
-        head = len(_FORMAT) + 65
-        if len(raw) < head + 8 or not raw.startswith(_FORMAT):
-            raise ValueError(f"not a snapshot file or truncated ({len(raw)} bytes)")
-        digest, payload = raw[len(_FORMAT):head - 1], raw[head:]
-        if hashlib.sha256(payload).hexdigest().encode() != digest:
-            raise ValueError("checksum mismatch: truncated or corrupt")
-        n = int.from_bytes(payload[:8], "little")
-        header = json.loads(payload[8:8 + n])
-        if header["key"] != key.hex():
-            raise ValueError(f"holds key {header['key'][:12]}..., not its name's")
-        data = memoryview(payload)[8 + n:]
-        arrays = {}
-        for m in header["arrays"]:
-            dtype = np.dtype(jax.numpy.dtype(m["dtype"]))
-            chunk = data[m["offset"]:m["offset"] + m["nbytes"]]
-            arrays[m["name"]] = np.frombuffer(chunk, dtype).reshape(m["shape"]).copy()
-        leaves = []
-        for p, want in jax.tree_util.tree_leaves_with_path(self._structure):
-            x = arrays.pop(f"state{jax.tree_util.keystr(p)}")
-            if x.shape != want.shape or x.dtype != np.dtype(want.dtype):
-                raise ValueError(f"state{jax.tree_util.keystr(p)} is {x.dtype}{list(x.shape)},"
-                                 f" not {np.dtype(want.dtype)}{list(want.shape)}")
-            leaves.append(x)
-        state = jax.tree.unflatten(jax.tree.structure(self._structure), leaves)
-        pages = {k[len("pages['"):-len("']")]: v for k, v in arrays.items()}
-        chain = tuple(bytes.fromhex(d) for d in header["chain"])
-        if not chain or chain[-1] != key or any(x.shape[1] != len(chain)
-                                                for x in pages.values()):
-            raise ValueError("its chain does not end at its key or does not match its pages")
-        return LoadedSnapshot(SnapshotRecord(key, int(header["length"]), chain), state, "disk",
-                              pages)
+        return _decode(key, raw, self._structure)
 
 
-__all__ = ["TIERS", "IndexEntry", "LoadedSnapshot", "PrefixIndex", "SnapshotRecord",
-           "SnapshotStore", "chain_digests", "check_directory", "fingerprint", "salt_namespace",
+# --- the file format ------------------------------------------------------------------------------
+
+
+def _encode(record: SnapshotRecord, state: StateSnapshot, pages: dict) -> bytes:
+    """A snapshot file: format line, sha256 of the payload, payload (header length, JSON
+    header naming every array's dtype, shape and offset, the arrays' bytes)."""
+    arrays = {f"state{jax.tree_util.keystr(p)}": np.asarray(x)
+              for p, x in jax.tree_util.tree_leaves_with_path(state)}
+    arrays.update({f"pages[{name!r}]": np.asarray(x) for name, x in pages.items()})
+    meta, blobs, offset = [], [], 0
+    for name, x in arrays.items():
+        data = np.ascontiguousarray(x).tobytes()
+        meta.append({"name": name, "dtype": str(x.dtype), "shape": list(x.shape),
+                     "offset": offset, "nbytes": len(data)})
+        blobs.append(data)
+        offset += len(data)
+    header = json.dumps({"key": record.key.hex(), "length": record.length,
+                         "chain": [d.hex() for d in record.chain], "arrays": meta}).encode()
+    payload = len(header).to_bytes(8, "little") + header + b"".join(blobs)
+    return _FORMAT + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def _decode(key: bytes, raw: bytes, structure) -> LoadedSnapshot:
+    """Parses a snapshot file; ValueError (or KeyError / TypeError) when it is not one of
+    `key` with `structure`'s arrays."""
+    head = len(_FORMAT) + 65
+    if len(raw) < head + 8 or not raw.startswith(_FORMAT):
+        raise ValueError(f"not a snapshot file or truncated ({len(raw)} bytes)")
+    digest, payload = raw[len(_FORMAT):head - 1], raw[head:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise ValueError("checksum mismatch: truncated or corrupt")
+    n = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8:8 + n])
+    if header["key"] != key.hex():
+        raise ValueError(f"holds key {header['key'][:12]}..., not its name's")
+    data = memoryview(payload)[8 + n:]
+    arrays = {}
+    for m in header["arrays"]:
+        dtype = np.dtype(jax.numpy.dtype(m["dtype"]))
+        chunk = data[m["offset"]:m["offset"] + m["nbytes"]]
+        arrays[m["name"]] = np.frombuffer(chunk, dtype).reshape(m["shape"]).copy()
+    leaves = []
+    for p, want in jax.tree_util.tree_leaves_with_path(structure):
+        x = arrays.pop(f"state{jax.tree_util.keystr(p)}")
+        if x.shape != want.shape or x.dtype != np.dtype(want.dtype):
+            raise ValueError(f"state{jax.tree_util.keystr(p)} is {x.dtype}{list(x.shape)}, "
+                             f"not {np.dtype(want.dtype)}{list(want.shape)}")
+        leaves.append(x)
+    state = jax.tree.unflatten(jax.tree.structure(structure), leaves)
+    pages = {k[len("pages['"):-len("']")]: v for k, v in arrays.items()}
+    chain = tuple(bytes.fromhex(d) for d in header["chain"])
+    if not chain or chain[-1] != key or any(x.shape[1] != len(chain) for x in pages.values()):
+        raise ValueError("its chain does not end at its key or does not match its pages")
+    return LoadedSnapshot(SnapshotRecord(key, int(header["length"]), chain), state, "disk", pages)
+
+
+__all__ = ["DISK_BYTES", "TIERS", "IndexEntry", "LoadedSnapshot", "PrefixIndex",
+           "SnapshotRecord", "SnapshotStore", "chain_digests", "fingerprint", "salt_namespace",
            "tree_digest"]
