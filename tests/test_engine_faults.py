@@ -17,6 +17,9 @@ import os
 import re
 import resource
 import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import jax
@@ -24,13 +27,13 @@ import numpy as np
 import pytest
 
 from v4kv_jax import engine as engine_module
-from v4kv_jax import pools, prefix
+from v4kv_jax import pools, prefix, prefix_disk
 from v4kv_jax.engine import EngineError
 from v4kv_jax.manager import SlotTable
 from v4kv_jax.paging import pages_for
 
 from faults import FaultyDirectory
-from test_engine import BASE, P, assert_same, engine
+from test_engine import BASE, ROOT, P, assert_same, engine
 
 # The workload: A writes a snapshot at 384 while E decodes; then B hits A's prefix (snapshot
 # or replay) while C prefills and writes its own snapshot at 128 (with disk_snapshots=1,
@@ -374,3 +377,35 @@ def test_a_path_that_cannot_be_a_directory_is_an_error_at_engine(tmp_path, monke
     with pytest.raises(ValueError, match=r"snapshot_dir: expected a directory .*/locked/new', "
                                          r"where none can be made \(EACCES"):
         engine(snapshot_dir=locked / "new")
+
+
+_DYING_WRITER = """
+import os, sys
+from v4kv_jax.prefix_disk import SnapshotDirectory
+directory = SnapshotDirectory(sys.argv[1], max_files=None, max_bytes=None)
+os.fsync = lambda fd: os._exit(9)  # the process dies with the file half done
+directory.write(bytes.fromhex(sys.argv[2]), open(sys.argv[3], "rb").read())
+"""
+
+
+def test_a_writer_that_dies_mid_file_leaves_nothing_a_reader_uses(tmp_path):
+    files, spare = tmp_path / "files", tmp_path / "spare"
+    with engine(snapshot_dir=files) as writer:
+        writer.generate([BASE[:450]], 2)
+    (name,) = os.listdir(files)
+    os.rename(files / name, spare)
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    died = subprocess.run([sys.executable, "-c", _DYING_WRITER, str(files), name.split(".")[0],
+                           str(spare)], env=env, timeout=120, check=False)
+    assert died.returncode == 9
+    (tmp,) = os.listdir(files)
+    assert tmp.startswith(".") and tmp.endswith(".tmp")
+    reader = engine(snapshot_dir=files)
+    assert reader.snapshots.count("disk") == 0 and os.listdir(files) == [tmp]  # young: kept
+    (out,) = reader.generate([BASE[:400] + [9]], 4)
+    assert out.cached_tokens == 0
+    assert_same(out, cold(BASE[:400] + [9], 4))
+    old = time.time() - prefix_disk.STALE_SECONDS - 60
+    os.utime(files / tmp, (old, old))
+    engine(snapshot_dir=files)
+    assert os.listdir(files) == []  # a dead writer's file, an hour old: deleted

@@ -10,7 +10,9 @@ failing rename or a file that vanished between two calls costs a cache miss, nev
 
 A file is written to a temporary name in the directory (`O_EXCL`), flushed, fsync'd, closed and
 then renamed over its final name (`os.replace`), so a reader never sees half a file; a failed
-write removes its temporary file when it can. A directory that cannot be written (a shared,
+write removes its temporary file when it can, and the temporary file of a process that died
+while writing is never read and is deleted by the next engine that opens the directory once
+it is an hour old. A directory that cannot be written (a shared,
 read-only snapshot directory) is a read-only tier: its files are read and hit, nothing is
 written, touched or deleted, and one warning says so when the directory is opened. A path that
 cannot be a directory at all (a file, "", a path under a file, a folder that cannot be made) is
@@ -26,12 +28,14 @@ import collections
 import errno
 import os
 import secrets
+import time
 import warnings
 
 from v4kv_jax import checks
 
 SUFFIX = ".v4snap"
 _TMP = ".tmp"
+STALE_SECONDS = 3600  # a temporary file older than this is a dead writer's
 
 
 def _warn(message: str) -> None:
@@ -107,10 +111,13 @@ class SnapshotDirectory:
         if self.read_only is not None:
             _warn(f"snapshot directory {self.path} is read-only ({self.read_only}): its "
                   "snapshots are read and hit, none is written or deleted")
-        found = []
+        found, stale = [], []
         try:
             with os.scandir(self.path) as listing:
                 for entry in listing:
+                    if entry.name.startswith(".") and entry.name.endswith(_TMP):
+                        stale.append(entry)
+                        continue
                     key = self._key_of(entry.name)
                     if key is None:
                         continue
@@ -127,6 +134,23 @@ class SnapshotDirectory:
         for _, key, size in sorted(found):
             self._files[key] = size
             self._bytes += size
+        if self.read_only is None:
+            self._remove_stale(stale)
+
+    def _remove_stale(self, entries) -> None:
+        """Deletes temporary files that a writer left more than `STALE_SECONDS` ago (one
+        that died while writing): never listed as snapshots, they would only take space.
+        Younger ones may be another process's write in progress and stay."""
+        now = time.time()
+        for entry in entries:
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > STALE_SECONDS:
+                    os.remove(entry.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._fault(f"temporary file {entry.path} left by an earlier writer not "
+                            f"deleted ({_error(e)})")
 
     @staticmethod
     def _key_of(name: str) -> bytes | None:
