@@ -7,6 +7,8 @@ once per test session; the chunking itself varies through `n_new`, never through
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import hypothesis
 import jax
@@ -18,6 +20,23 @@ from v4kv_jax import step
 from v4kv_jax.testing import oracle, synthetic
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# One XLA compilation cache per test run, shared by the xdist workers and by the processes the
+# tests start, which would otherwise each compile the same programs again (most of the suite's
+# time is compilation). Set through the environment so that child processes inherit it; the
+# controller deletes it when the run ends (`pytest_sessionfinish`). Caching changes no result:
+# a program is looked up by its HLO, compile options and jax version.
+_OWN_CACHE = os.path.join(tempfile.gettempdir(), f"v4kv_jax-tests-xla-{os.getpid()}")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _OWN_CACHE)  # workers inherit the first
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ["JAX_COMPILATION_CACHE_DIR"] == _OWN_CACHE:  # the process that made it
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 # Enough indexer heads that exact-zero (ReLU) score ties are practically absent.
 MODEL = v4.tiny(index_heads=16)
