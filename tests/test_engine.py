@@ -23,7 +23,7 @@ from flax import nnx
 
 import v4kv_jax as v4
 from v4kv_jax import engine as engine_module
-from v4kv_jax import pools
+from v4kv_jax import pools, prefix_cache
 from v4kv_jax.engine import Engine
 from v4kv_jax.manager import PoolExhaustedError
 from v4kv_jax.nn import Decoder, ModelConfig
@@ -313,10 +313,10 @@ def test_one_program_serves_every_step_and_prompt_length():
     eng.generate([BASE[:140]], 2)  # a hit: attach, restore
     eng.clear_prefix_cache()
     counts = lambda: (engine_module.compiled_step_programs(),  # noqa: E731
-                      *(f._cache_size() for f in (engine_module._attach,
-                                                  engine_module._restore,
-                                                  engine_module._snapshot,
-                                                  engine_module._hold, engine_module._drop)))
+                      *(f._cache_size() for f in (prefix_cache._attach,
+                                                  prefix_cache._restore,
+                                                  prefix_cache._snapshot,
+                                                  prefix_cache._hold, prefix_cache._drop)))
     before = counts()
     prompts = [BASE[:n] for n in (1, 63, 64, 65, 129, 300)]
     outs = eng.generate(prompts, 5, temperature=0.7)

@@ -26,8 +26,7 @@ import jax
 import numpy as np
 import pytest
 
-from v4kv_jax import engine as engine_module
-from v4kv_jax import pools, prefix, prefix_disk
+from v4kv_jax import pools, prefix, prefix_cache, prefix_disk
 from v4kv_jax.engine import EngineError
 from v4kv_jax.manager import SlotTable
 from v4kv_jax.paging import pages_for
@@ -242,11 +241,11 @@ def test_a_listing_fault_at_start_is_warned_and_costs_only_hits(tmp_path, monkey
 
 POINTS = {
     "admit a slot": (SlotTable, "admit"),
-    "hold listed pages": (engine_module, "_hold"),
-    "take a snapshot": (engine_module, "_snapshot"),
-    "read chain pages for a file": (engine_module, "_read_pages"),
-    "attach a hit": (engine_module, "_attach"),
-    "restore a State": (engine_module, "_restore"),
+    "hold listed pages": (prefix_cache, "_hold"),
+    "take a snapshot": (prefix_cache, "_snapshot"),
+    "read chain pages for a file": (prefix_cache, "_read_pages"),
+    "attach a hit": (prefix_cache, "_attach"),
+    "restore a State": (prefix_cache, "_restore"),
     "store a snapshot": (prefix.SnapshotStore, "put"),
     "list a page": (prefix.PrefixIndex, "add"),
     "release a finished slot": (SlotTable, "release"),
@@ -301,7 +300,7 @@ def test_a_lost_cache_stops_the_engine_with_its_outputs_and_lost_requests(tmp_pa
 
     x = eng.add_request(SECOND["X"][0], 1)  # ends in the step that lists its second page
     e = eng.add_request(*FIRST["E"])
-    _fail_once(monkeypatch, engine_module, "_hold", on_call=2, before=lose)
+    _fail_once(monkeypatch, prefix_cache, "_hold", on_call=2, before=lose)
     with pytest.raises(EngineError, match=r"its cache was lost \(Injected: injected into "
                                           r"_hold\)") as info:
         for _ in range(10):

@@ -14,27 +14,18 @@ Every phase has one row per slot (slot id -1 where a slot has nothing to do; a p
 row is skipped by `lax.cond`), so every step and every prompt length runs the same compiled
 program. Finished requests come back from `step()` as `RequestOutput`s.
 
-Prefix sharing (`v4kv_jax.prefix`): every full page is listed in a `PrefixIndex` under the
-digest of its tokens' chain (namespaced by the engine's fingerprint: attention config, cache
-geometry, model config, options, weights; and by the request's `cache_salt`), and the index
-holds a reference to it (`pools.hold_pages`), so the pages of finished requests stay cached.
-A new request takes the longest chain of listed full pages of its prompt (at most the
-prompt's length - 1 tokens: the last prompt token is always computed, for the first logits)
-with `pools.attach_prefix`, then rebuilds the State at the hit boundary b:
+Prefix sharing (`v4kv_jax.prefix_cache`): every full page is listed under the digest of its
+tokens' chain (namespaced by the engine's fingerprint: attention config, cache geometry, model
+config, options, weights; and by the request's `cache_salt`), held by the index, so the pages
+of finished requests stay cached. A new request attaches the longest chain of listed full
+pages of its prompt and rebuilds the State at the hit boundary from a snapshot (device, host
+or disk tier), a lower snapshot plus a replay, or a replay from the empty State. When the pool
+cannot hold a request, least recently used pages only the index holds are evicted; if that
+is not enough the request waits in the queue. A live request's pages and State are never
+evicted: admission reserves each running request's pages up to its full length.
 
-  1. a snapshot at b (device, host or disk tier) is restored (`pools.restore_state`);
-  2. else a snapshot at s < b, restored, then tokens [s, b) replayed, when b - s <= R;
-  3. else the R tokens before b are replayed from the empty State, R = num_layers * (W - 1)
-     + 1 rounded up to whole pages (exact from any State: tests/test_prefix_device.py);
-  4. else (b < R, no snapshot below b): no hit, the prompt is recomputed.
-
-A disk snapshot deeper than the index's chain (written by another engine over the same
-directory) brings its pages along: they are written into fresh pool pages and listed.
-
-When the pool cannot hold a request, least recently used pages that only the index holds are
-evicted (with the deeper links that hang on them); if that is not enough the request waits in
-the queue. A live request's pages and State are never evicted: admission reserves each
-running request's pages up to its full length.
+The host side of a step is all or nothing (see `Engine.step`), and the disk tier turns every
+filesystem fault into a warning and a miss (`v4kv_jax.prefix_disk`).
 """
 
 from __future__ import annotations
@@ -57,6 +48,7 @@ from v4kv_jax.nn.generate import sample
 from v4kv_jax.nn.model import Decoder
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
+from v4kv_jax.prefix_cache import RESTORES, PrefixCache
 
 # --- the one step program -------------------------------------------------------------------------
 
@@ -124,13 +116,6 @@ def _step(graphdef, options: Options, params, cache: Cache, batch: StepBatch, ke
 
 
 _step_jit = jax.jit(_step, static_argnames=("graphdef", "options"), donate_argnames=("cache",))
-_attach = jax.jit(pools.attach_prefix, donate_argnums=0)
-_restore = jax.jit(pools.restore_state, donate_argnums=0)
-_snapshot = jax.jit(pools.snapshot_state)
-_hold = jax.jit(pools.hold_pages, donate_argnums=0)
-_drop = jax.jit(pools.drop_pages, donate_argnums=0)
-_read_pages = jax.jit(pools.read_pages)
-_load_pages = jax.jit(pools.load_pages, donate_argnums=0)
 
 
 def compiled_step_programs() -> int:
@@ -142,7 +127,6 @@ def compiled_step_programs() -> int:
 # --- requests and outputs -------------------------------------------------------------------------
 
 FINISH_REASONS = ("eos", "length", "aborted")
-RESTORES = ("none", "snapshot", "snapshot+replay", "replay", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,17 +176,6 @@ class EngineError(RuntimeError):
         super().__init__(f"Engine: its cache was lost ({cause}); no further step runs. "
                          f"Requests in flight lost: {lost}; finished outputs carried by this "
                          f"error: {[o.request_id for o in finished]}. Make a new Engine.")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """An admission: hit depth in pages, how the State is rebuilt (`RESTORES`), and the
-    snapshot used with its depth in pages (None: none)."""
-
-    depth: int
-    restored_by: str
-    loaded: prefix.LoadedSnapshot | None
-    snapshot_depth: int | None
 
 
 @dataclasses.dataclass
@@ -339,7 +312,6 @@ class Engine:
                                                   lo=1)
         if not isinstance(keep_logits, bool):
             checks.fail("keep_logits", "a bool", repr(keep_logits), TypeError)
-        self.snapshot_every_pages = snapshot_every_pages
         self.prefill_chunk = prefill_chunk
         self.keep_logits = keep_logits
         self.options = options_or_default(options)
@@ -355,12 +327,10 @@ class Engine:
             f"index={geometry.index_dtype} window={geometry.window_dtype} "
             f"tail={geometry.tail_dtype} hca_tail={geometry.hca_tail}",
             repr(model.config), repr(self.options), prefix.tree_digest(self.params))
-        self.index = prefix.PrefixIndex()
-        self.snapshots = prefix.SnapshotStore(
-            jax.eval_shape(lambda c: pools.snapshot_state(c, 0), self.cache),
+        self.prefix_cache = PrefixCache(
+            self, replay_pages=self.replay_pages, snapshot_every_pages=snapshot_every_pages,
             device_snapshots=device_snapshots, host_snapshots=host_snapshots,
-            directory=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes,
-            page_contents=self._chain_contents, directory_name="snapshot_dir")
+            snapshot_dir=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes)
         self._requests: dict[int, _Request] = {}
         self._queue: list[int] = []
         self._ids = itertools.count()
@@ -370,11 +340,21 @@ class Engine:
         self._closed = False
         self.stats = dict.fromkeys(
             ("requests", "hits", "prompt_tokens", "cached_tokens", "replayed_tokens",
-             "recomputed_tokens", "pages_evicted", "pages_loaded", "snapshots_taken"), 0)
+             "recomputed_tokens"), 0)
 
     @property
     def geometry(self) -> CacheConfig:
         return self.cache.geometry
+
+    @property
+    def index(self) -> prefix.PrefixIndex:
+        """The prefix cache's index of listed pages."""
+        return self.prefix_cache.index
+
+    @property
+    def snapshots(self) -> prefix.SnapshotStore:
+        """The prefix cache's snapshot tiers."""
+        return self.prefix_cache.snapshots
 
     # --- the disk tier and shutdown ---------------------------------------------------------------
 
@@ -385,7 +365,7 @@ class Engine:
         skipped (see `step`); without a `snapshot_dir`, or over a read-only one, nothing is
         written (0)."""
         self._check_usable()
-        return self.snapshots.flush()
+        return self.prefix_cache.flush()
 
     def close(self) -> list[RequestOutput]:
         """Flushes the snapshots to disk and ends the engine: later calls raise. Requests
@@ -536,13 +516,10 @@ class Engine:
         try:
             self._run_step()
         except BaseException as e:
-            if self._cache_lost():
+            if pools.is_deleted(self.cache):
                 self._broken = f"{type(e).__name__}: {e}"
                 raise self._error() from e
             raise
-
-    def _cache_lost(self) -> bool:
-        return any(x.is_deleted() for x in jax.tree.leaves(self.cache))
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -604,10 +581,9 @@ class Engine:
         self._unreleased += [req for req, _ in finished]
         try:
             for req, phase in advanced:
-                self._list_pages(req, table)
-                self._maybe_snapshot(req, prompt_end=phase == "prefill")
+                self.prefix_cache.record(req, table, prompt_end=phase == "prefill")
         except BaseException:
-            if not self._cache_lost():
+            if not pools.is_deleted(self.cache):
                 try:
                     self._release_finished()
                 except Exception:  # noqa: BLE001 - kept in _unreleased, tried next step
@@ -690,77 +666,11 @@ class Engine:
                 np.zeros((0, self.config.vocab_size), np.float32) if self.keep_logits
                 else None))
 
-    # --- the prefix index -------------------------------------------------------------------------
-
-    def _list_pages(self, req: _Request, table: np.ndarray) -> None:
-        """Lists the request's full pages in the index (a reference each for the index, taken
-        before a page is listed, and given back if listing it fails)."""
-        P = self.geometry.page_tokens
-        full = req.length // P
-        if full <= len(req.digests) and all(d in self.index for d in req.digests):
-            return
-        req.digests += prefix.chain_digests(req.tokens[:full * P], P, req.namespace,
-                                            first=len(req.digests),
-                                            previous=req.digests[-1] if req.digests else b"")
-        new = [int(table[req.slot, j]) for j in range(full) if req.digests[j] not in self.index]
-        if new:
-            self.cache = _hold(self.cache, self._padded(new))
-        try:
-            for j, digest in enumerate(req.digests[:full]):
-                self.index.add(digest, req.digests[j - 1] if j else None,
-                               int(table[req.slot, j]))
-        except BaseException:
-            listed = set(self.index.pages().values())
-            unlisted = [p for p in new if p not in listed]
-            if unlisted and not self._cache_lost():
-                self.cache = _drop(self.cache, self._padded(unlisted))
-            raise
-
-    def _padded(self, page_ids: list[int]) -> jax.Array:
-        ids = np.full((self.geometry.num_pages,), -1, np.int32)
-        ids[:len(page_ids)] = page_ids
-        return jnp.asarray(ids)
-
-    def _evict(self, n_pages: int, keep: frozenset) -> None:
-        refcount = np.asarray(self.cache.pages.refcount)
-        dropped = self.index.evict(n_pages, refcount, keep)
-        if dropped:
-            self.stats["pages_evicted"] += sum(1 for p in dropped if refcount[p] == 1)
-            self.cache = _drop(self.cache, self._padded(dropped))
-
     def clear_prefix_cache(self, *, disk: bool = False) -> None:
         """Drops every listed page (the index's references) and the device and host
         snapshots (with `disk`, the snapshot files too). Pages live requests hold stay."""
-        pages = self.index.clear()
-        if pages:
-            self.cache = _drop(self.cache, self._padded(pages))
-        self.snapshots.clear(disk=disk)
-
-    # --- snapshots --------------------------------------------------------------------------------
-
-    def _maybe_snapshot(self, req: _Request, *, prompt_end: bool) -> None:
-        P = self.geometry.page_tokens
-        b = req.length
-        if b % P or not b:
-            return
-        k = b // P
-        last_of_prompt = prompt_end and k == len(req.prompt) // P
-        every = self.snapshot_every_pages is not None and k % self.snapshot_every_pages == 0
-        if not (last_of_prompt or every):
-            return
-        record = prefix.SnapshotRecord(req.digests[k - 1], b, tuple(req.digests[:k]))
-        if self.snapshots.tier_of(record.key) is None:
-            self.stats["snapshots_taken"] += 1
-        self.snapshots.put(record, _snapshot(self.cache, jnp.int32(req.slot)))
-
-    def _chain_contents(self, record: prefix.SnapshotRecord) -> dict | None:
-        """The Classical contents of a snapshot's chain pages, while the index lists them."""
-        if not all(d in self.index for d in record.chain):
-            return None
-        ids = np.full((self.geometry.max_pages_per_seq,), -1, np.int32)
-        ids[:len(record.chain)] = [self.index.page(d) for d in record.chain]
-        contents = _read_pages(self.cache, jnp.asarray(ids))
-        return {k: np.asarray(v)[:, :len(record.chain)] for k, v in contents.items()}
+        self._check_usable()
+        self.prefix_cache.clear(disk=disk)
 
     # --- admission --------------------------------------------------------------------------------
 
@@ -769,17 +679,17 @@ class Engine:
         evicting what it needs); False (nothing changed) otherwise."""
         if len(self.table) == self.geometry.max_slots:
             return False
-        P = self.geometry.page_tokens
-        digests = prefix.chain_digests(req.prompt[:(len(req.prompt) - 1) // P * P], P,
-                                       req.namespace)
-        plan = self._plan(req, digests, disk=True)
+        digests = self.prefix_cache.prompt_digests(req.prompt, req.namespace)
+        running = [r for r in self._requests.values() if r.slot is not None]
+        plan = self.prefix_cache.plan(digests, req.total_pages,
+                                      self.prefix_cache.reserved_pages(running))
         if plan is None:
             return False
         self.cache, req.slot = self.table.admit(self.cache, req.id)
         try:
-            self._enter(req, digests, plan)
+            self.prefix_cache.enter(req, digests, plan)
         except BaseException:  # all or nothing: the request stays queued as it was
-            if not self._cache_lost():
+            if not pools.is_deleted(self.cache):
                 self._release(req)
                 req.length = req.cached = req.replay_at = req.replay_end = req.replayed = 0
                 req.digests, req.restored_by, req.snapshot_tier = [], "none", None
@@ -791,91 +701,6 @@ class Engine:
         self.stats["recomputed_tokens"] += len(req.prompt) - req.cached
         self.stats["hits"] += bool(plan.depth)
         return True
-
-    def _enter(self, req: _Request, digests: list[bytes], plan: _Plan) -> None:
-        """Attaches the hit's pages to the request's slot and rebuilds its State (or plans
-        the replay that does)."""
-        P = self.geometry.page_tokens
-        if plan.loaded is not None and plan.loaded.pages is not None:
-            memory = len(self.index.match(digests[:plan.depth]))
-            if memory < plan.depth:
-                self._load(digests, memory, plan.loaded)
-        pages = self.index.match(digests[:plan.depth])
-        if plan.depth:
-            ids = np.full((self.geometry.max_pages_per_seq,), -1, np.int32)
-            ids[:plan.depth] = pages
-            self.cache = _attach(self.cache, jnp.int32(req.slot), jnp.asarray(ids),
-                                 jnp.int32(plan.depth))
-        b = plan.depth * P
-        req.length = req.cached = b
-        req.digests = list(digests[:plan.depth])
-        req.restored_by = plan.restored_by
-        if plan.loaded is not None:
-            state = plan.loaded.state
-            if plan.snapshot_depth != plan.depth:
-                state = state.replace(length=np.int32(b))
-            self.cache = _restore(self.cache, jnp.int32(req.slot), state)
-            req.snapshot_tier = plan.loaded.tier
-            req.replay_at, req.replay_end = plan.snapshot_depth * P, b
-        elif plan.depth:
-            req.replay_at, req.replay_end = b - self.replay_pages * P, b
-        req.replayed = req.replay_end - req.replay_at
-
-    def _plan(self, req: _Request, digests: list[bytes], *, disk: bool) -> _Plan | None:
-        """How `req` is admitted: the hit and how its State is rebuilt, with the pages it
-        needs made free (by eviction); None when the pool cannot hold it now. `disk`: a disk
-        snapshot deeper than the index's chain may bring its pages."""
-        memory = len(self.index.match(digests))
-        snap_depth = None
-        for j in range(len(digests), 0, -1):
-            tier = self.snapshots.tier_of(digests[j - 1])
-            if tier is not None and (j <= memory or (disk and tier == "disk")):
-                snap_depth = j
-                break
-        depth, restored_by = memory, "none"
-        if snap_depth is not None and snap_depth >= memory:
-            depth, restored_by = snap_depth, "snapshot"
-        elif snap_depth is not None and (memory - snap_depth <= self.replay_pages
-                                         or memory < self.replay_pages):
-            restored_by = "snapshot+replay"
-        elif memory >= self.replay_pages:
-            snap_depth, restored_by = None, "replay" if memory else "none"
-        else:
-            snap_depth, depth, restored_by = None, 0, "recompute" if memory else "none"
-        loaded_pages = depth - memory
-        # Room: every running request's pages up to its full length, then this one's.
-        P = self.geometry.page_tokens
-        outstanding = sum(r.total_pages - pages_for(r.length, P)
-                          for r in self._requests.values() if r.slot is not None)
-        need = outstanding + req.total_pages - depth + loaded_pages
-        keep = frozenset(digests[:min(depth, memory)])
-        refcount = np.asarray(self.cache.pages.refcount)
-        free = int(self.cache.pages.num_free)
-        if free + self.index.evictable(refcount, keep) < need:
-            return self._plan(req, digests, disk=False) if loaded_pages else None
-        if free < need:
-            self._evict(need - free, keep)
-        if snap_depth is None:
-            return _Plan(depth, restored_by, None, None)
-        loaded = self.snapshots.get(digests[snap_depth - 1])
-        if loaded is None:  # a bad file, reported and deleted: plan without it
-            return self._plan(req, digests, disk=disk)
-        return _Plan(depth, restored_by, loaded, snap_depth)
-
-    def _load(self, digests: list[bytes], memory: int, loaded: prefix.LoadedSnapshot) -> None:
-        """Writes a disk snapshot's pages past the index's chain into fresh pages, listed."""
-        depth = len(loaded.record.chain)
-        M = self.geometry.max_pages_per_seq
-        contents = {}
-        for name, x in loaded.pages.items():
-            padded = np.zeros((x.shape[0], M) + x.shape[2:], x.dtype)
-            padded[:, :depth - memory] = x[:, memory:depth]
-            contents[name] = jnp.asarray(padded)
-        self.cache, ids = _load_pages(self.cache, contents, jnp.int32(depth - memory))
-        ids = np.asarray(ids)
-        for j in range(memory, depth):
-            self.index.add(digests[j], digests[j - 1] if j else None, int(ids[j - memory]))
-        self.stats["pages_loaded"] += depth - memory
 
     # --- reports ----------------------------------------------------------------------------------
 
@@ -892,7 +717,8 @@ class Engine:
             pages_cached_only=sum(1 for p in listed if holders[p] == 0),
             snapshots={t: (self.snapshots.count(t), self.snapshots.nbytes(t))
                        for t in prefix.TIERS},
-            stats={**self.stats, "snapshots_dropped": self.snapshots.dropped,
+            stats={**self.stats, **self.prefix_cache.stats,
+                   "snapshots_dropped": self.snapshots.dropped,
                    "disk_errors": 0 if disk is None else disk.errors},
             snapshot_dir=None if disk is None else disk.describe(),
         )

@@ -628,6 +628,12 @@ class SlotReport:
     pages: tuple[int, ...]
 
 
+def is_deleted(cache: Cache) -> bool:
+    """True when an array of the cache was deleted: donated to a jitted program that failed
+    after taking it over, so the cache is gone (host code that donates checks this)."""
+    return any(x.is_deleted() for x in jax.tree.leaves(cache))
+
+
 def inspect_slots(cache: Cache) -> list[SlotReport]:
     """What each non-free slot holds, derived from its length and page-table row."""
     model = cache.attn_config
@@ -848,7 +854,8 @@ __all__ = [
     "Cache", "ClassicalPool", "LayerKind", "MemoryReport", "OnlineTail", "SlotContents",
     "SlotReport", "SlotStatus", "StatePool", "StateSnapshot", "Tail", "attach_prefix",
     "classical_bytes_per_token", "clear_flags", "codec", "dense_cache_bytes_per_token",
-    "drop_pages", "hold_pages", "init_cache", "inspect_slots", "load_pages", "memory_report",
+    "drop_pages", "hold_pages", "init_cache", "inspect_slots", "is_deleted", "load_pages",
+    "memory_report",
     "online_tail", "page_bytes", "read_pages", "read_slot", "release_slot", "reset_slot",
     "restore_state", "snapshot_state",
     "state_bytes_per_request",
