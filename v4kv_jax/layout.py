@@ -56,14 +56,6 @@ def compressor_specs(config: AttentionConfig) -> tuple[CompressorSpec, ...]:
     )
 
 
-def spec_named(config: AttentionConfig, name: str) -> CompressorSpec:
-    """The compressor called `name` ("csa", "csa_index" or "hca")."""
-    for spec in compressor_specs(config):
-        if spec.name == name:
-            return spec
-    raise ValueError(f"name: expected one of ('csa', 'csa_index', 'hca'); got {name!r}")
-
-
 def specs_of(config: AttentionConfig, kind: LayerKind) -> tuple[CompressorSpec, ...]:
     """The compressors of a layer kind: CSA (main, indexer), HCA (main), SWA (none)."""
     return tuple(s for s in compressor_specs(config) if s.kind == kind)
@@ -82,5 +74,5 @@ def visible_entries(q_pos: jax.Array, kv_end: jax.Array, ratio: int) -> jax.Arra
     return jnp.minimum((q_pos + 1) // ratio, (kv_end // ratio)[:, None])
 
 
-__all__ = ["CompressorSpec", "compressor_specs", "num_layers", "spec_named", "specs_of",
+__all__ = ["CompressorSpec", "compressor_specs", "num_layers", "specs_of",
            "visible_entries"]

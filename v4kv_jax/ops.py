@@ -118,11 +118,6 @@ def selected(model: AttentionConfig, options: Options | None = None,
     return impl, interpret
 
 
-def uses_kernels(model: AttentionConfig, options: Options | None = None) -> bool:
-    """Whether the options run Pallas kernels for this config (False: the jnp reference)."""
-    return selected(model, options)[0] != "reference"
-
-
 def _kernel(op: str, model: AttentionConfig, options: Options | None, implementation,
             interpret) -> tuple[object | None, bool]:
     """(kernel function or None for the reference, interpret) of `op`."""
@@ -323,5 +318,5 @@ def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, que
 __all__ = [
     "IMPLEMENTATIONS", "KernelUnavailableError", "decode_attention", "dense_decode_attention",
     "emit_entries", "emit_entries_online", "gpu_support_problem", "index_scores",
-    "index_topk", "resolve", "selected", "sparse_decode_attention", "uses_kernels",
+    "index_topk", "resolve", "selected", "sparse_decode_attention",
 ]

@@ -27,7 +27,7 @@ def test_auto_picks_pallas_on_tpu_and_gpu_and_the_reference_on_cpu():
     assert ops.resolve("auto", backend="gpu") == "pallas_gpu"
     assert DEFAULT.implementation == "auto"
     if jax.default_backend() == "cpu":
-        assert not ops.uses_kernels(MODEL, DEFAULT)
+        assert ops.selected(MODEL, DEFAULT) == ("reference", False)
 
 
 def test_forced_implementation_on_the_wrong_backend_raises():
@@ -43,7 +43,7 @@ def test_forced_implementation_on_the_wrong_backend_raises():
     if jax.default_backend() == "cpu":  # the same error from an op and from the options
         cache = v4.init_cache(MODEL, GEOMETRY)
         with pytest.raises(ops.KernelUnavailableError, match="needs a GPU backend"):
-            ops.uses_kernels(MODEL, v4.Options(implementation="pallas_gpu"))
+            ops.selected(MODEL, v4.Options(implementation="pallas_gpu"))
         with pytest.raises(ops.KernelUnavailableError, match="needs a TPU backend"):
             ops.dense_decode_attention(
                 MODEL, GEOMETRY, q=jnp.zeros((1, 4, 32)), sink=jnp.zeros(4),
