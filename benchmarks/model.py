@@ -46,8 +46,8 @@ from measure import read_bandwidth, write_result
 
 import v4kv_jax as v4
 from v4kv_jax import append, interop
+from v4kv_jax.attention import output_projection
 from v4kv_jax.nn import Decoder, ModelConfig
-from v4kv_jax.nn.attention import grouped_output
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = dict(decode_speedup_at_4k=8.0, decode_x_roofline_at_4k=2.0,
@@ -140,8 +140,8 @@ def projections_only(model: Decoder):
             for block in blocks:
                 attn = block.attn
                 _, queries, _ = attn.vectors(x, positions)
-                x = x + grouped_output(queries.q, attn.o_a_proj[...], attn.o_b_proj[...],
-                                       attn.config.o_groups)
+                x = x + output_projection(queries.q, attn.o_a_proj[...],
+                                          attn.o_b_proj[...], attn.config.o_groups)
         return x
 
     return jax.jit(run), params

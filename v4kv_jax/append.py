@@ -94,6 +94,13 @@ def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
                         f"slot {slot} {st.name}")
 
 
+def _repeated(slot_ids: jax.Array) -> jax.Array:
+    """bool[B]: rows naming a slot an earlier row of the call already named."""
+    row = jnp.arange(slot_ids.shape[0])
+    return jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
+                   axis=1)
+
+
 def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
                  ) -> tuple[Cache, AppendPlan]:
     """Takes the pages `n_new` more tokens need in each slot; flags slots that cannot append.
@@ -125,10 +132,7 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     n_new = jnp.asarray(n_new, jnp.int32)
     in_range = (slot_ids >= 0) & (slot_ids < S)
-    row = jnp.arange(slot_ids.shape[0])
-    repeated = jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
-                       axis=1)
-    broken = repeated | (n_new < 0) | (n_new > tokens)
+    broken = _repeated(slot_ids) | (n_new < 0) | (n_new > tokens)
     if reject is not None:
         broken = broken | jnp.asarray(reject, bool)
     ok = in_range & ~broken
@@ -204,12 +208,9 @@ def replay_plan(cache: Cache, slot_ids, start, n_new, tokens: int) -> AppendPlan
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     start = jnp.asarray(start, jnp.int32)
     n_new = jnp.asarray(n_new, jnp.int32)
-    row = jnp.arange(slot_ids.shape[0])
-    repeated = jnp.any((slot_ids[:, None] == slot_ids[None, :]) & (row[None, :] < row[:, None]),
-                       axis=1)
     in_range = (slot_ids >= 0) & (slot_ids < S)
     read = jnp.clip(slot_ids, 0, S - 1)
-    ok = (in_range & ~repeated & (pools.status(cache)[read] == SlotStatus.ACTIVE)
+    ok = (in_range & ~_repeated(slot_ids) & (pools.status(cache)[read] == SlotStatus.ACTIVE)
           & (n_new >= 0) & (n_new <= tokens) & (start >= 0)
           & (start + n_new <= pools.lengths(cache)[read]))
     return AppendPlan(slot_ids=jnp.where(ok, slot_ids, S), start=jnp.where(ok, start, 0),

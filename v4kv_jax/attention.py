@@ -212,16 +212,27 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig, option
                    slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)
 
 
-def output_projection(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int) -> jax.Array:
-    """Grouped output projection (SPEC section 6).
+def output_projection(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int,
+                      precision=_HIGHEST) -> jax.Array:
+    """Grouped output projection (SPEC section 6), in fp32: a batched matmul with the group
+    as the leading batch axis, then one plain matmul; only activations are transposed, never
+    the weights (a transposed weight is a copy of it on every call).
 
     Args:
       o: [..., H, hd] attention output.
       w_oa: [g * R, H * hd / g], group j uses rows j*R .. (j+1)*R - 1.
       w_ob: [D, g * R].
+      precision: of both matmuls (the library's reference: HIGHEST; the Flax modules pass
+        their own).
+
+    Returns:
+      f32[..., D].
     """
     lead = o.shape[:-2]
-    grouped = o.reshape(*lead, groups, -1)
-    w = w_oa.reshape(groups, -1, grouped.shape[-1])
-    y = jnp.einsum("...gi,gri->...gr", grouped, w, precision=_HIGHEST).reshape(*lead, -1)
-    return jnp.einsum("...r,dr->...d", y, w_ob, precision=_HIGHEST)
+    per_group = o.shape[-2] * o.shape[-1] // groups
+    x = o.reshape(-1, groups, per_group).astype(jnp.float32).transpose(1, 0, 2)
+    y = jnp.einsum("gni,gri->gnr", x, w_oa.reshape(groups, -1, per_group).astype(jnp.float32),
+                   precision=precision)
+    y = y.transpose(1, 0, 2).reshape(y.shape[1], -1)
+    return jnp.einsum("ni,oi->no", y, w_ob.astype(jnp.float32),
+                      precision=precision).reshape(*lead, -1)

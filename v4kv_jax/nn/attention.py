@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from v4kv_jax import append, checks, rope, step
+from v4kv_jax.attention import output_projection
 from v4kv_jax.compressor import rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind, Options
 from v4kv_jax.pools import Cache
@@ -54,28 +55,6 @@ def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
     """x [..., in] @ weight[out, in].T in fp32: [..., out]."""
     return jnp.einsum("...i,oi->...o", x.astype(jnp.float32), weight.astype(jnp.float32),
                       precision=precision)
-
-
-def grouped_output(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int,
-                   precision=None) -> jax.Array:
-    """The grouped output projection of SPEC section 6 (same result as
-    `v4kv_jax.attention.output_projection`): a batched matmul with the group as the leading
-    batch axis, then one plain matmul; only activations are transposed, never the weights
-    (a transposed weight is a copy of it on every call).
-
-    Args:
-      o: [..., H, hd]; w_oa: [g R, H hd / g]; w_ob: [D, g R].
-
-    Returns:
-      f32[..., D].
-    """
-    lead = o.shape[:-2]
-    per_group = o.shape[-2] * o.shape[-1] // groups
-    x = o.reshape(-1, groups, per_group).astype(jnp.float32).transpose(1, 0, 2)
-    y = jnp.einsum("gni,gri->gnr", x, w_oa.reshape(groups, -1, per_group).astype(jnp.float32),
-                   precision=precision)
-    y = y.transpose(1, 0, 2).reshape(y.shape[1], -1)
-    return linear(y, w_ob, precision).reshape(*lead, -1)
 
 
 class Compressor(nnx.Module):
@@ -212,8 +191,8 @@ class V4Attention(nnx.Module):
                              f"{self.kind.name}")
         vectors, queries, params = self.vectors(x, plan.positions(x.shape[1]))
         cache, o = step.layer_step(cache, plan, ref, vectors, queries, params, options=options)
-        return cache, grouped_output(o, self.o_a_proj[...], self.o_b_proj[...],
-                                     self.config.o_groups, self.precision)
+        return cache, output_projection(o, self.o_a_proj[...], self.o_b_proj[...],
+                                        self.config.o_groups, self.precision)
 
     def step(self, x: jax.Array, cache: Cache, *, slot_ids, n_new, layer: int,
              options: Options | None = None) -> tuple[Cache, jax.Array]:

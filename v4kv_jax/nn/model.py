@@ -251,6 +251,17 @@ class Decoder(nnx.Module):
             (cache, x), _ = jax.lax.scan(body, (cache, x), xs)
         return cache, x
 
+    def _checked_chunk(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array,
+                       n_new: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Checks a chunk's arguments (eagerly: raises naming them); returns n_new as i32[B]
+        and bool[B]: the rows holding a token id outside the vocabulary among their n_new
+        tokens (inside jit the caller makes those rows change nothing)."""
+        check_chunk(self.config, cache, tokens, slot_ids, n_new)
+        n_new = jnp.asarray(n_new, jnp.int32)
+        given = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
+        V = self.config.vocab_size
+        return n_new, jnp.any(given & ((tokens < 0) | (tokens >= V)), axis=1)
+
     def hidden(self, tokens: jax.Array, cache: Cache, slot_ids: jax.Array, n_new: jax.Array,
                *, options: Options | None = None) -> tuple[Cache, jax.Array]:
         """Appends a chunk of tokens and returns the final-normed hidden states.
@@ -267,13 +278,9 @@ class Decoder(nnx.Module):
           (cache, f32[B, T, D]); a slot that could not get its pages appends nothing and is
           flagged in its status (see `v4kv_jax.pools.SlotStatus`).
         """
-        check_chunk(self.config, cache, tokens, slot_ids, n_new)
         # Inside jit, a row holding a token id outside the vocabulary is rejected (nothing
         # appended, slot flagged REJECTED) instead of reading a clamped embedding row.
-        V = self.config.vocab_size
-        n_new = jnp.asarray(n_new, jnp.int32)
-        given = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
-        outside = jnp.any(given & ((tokens < 0) | (tokens >= V)), axis=1)
+        n_new, outside = self._checked_chunk(tokens, cache, slot_ids, n_new)
         cache, plan = append.begin_append(cache, slot_ids, n_new, tokens.shape[1], reject=outside)
         x = self.embed[...][tokens].astype(jnp.float32)
         cache, x = self.layers(x, cache, plan, options=options)
@@ -306,11 +313,7 @@ class Decoder(nnx.Module):
           The cache. Called with concrete arguments, a broken row raises ValueError; inside
           jit it (and a row holding a token id outside the vocabulary) changes nothing.
         """
-        check_chunk(self.config, cache, tokens, slot_ids, n_new)
-        V = self.config.vocab_size
-        n_new = jnp.asarray(n_new, jnp.int32)
-        given = jnp.arange(tokens.shape[1])[None, :] < n_new[:, None]
-        outside = jnp.any(given & ((tokens < 0) | (tokens >= V)), axis=1)
+        n_new, outside = self._checked_chunk(tokens, cache, slot_ids, n_new)
         plan = append.replay_plan(cache, slot_ids, start, jnp.where(outside, 0, n_new),
                                   tokens.shape[1])
         x = self.embed[...][tokens].astype(jnp.float32)
