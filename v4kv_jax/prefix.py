@@ -286,10 +286,6 @@ class SnapshotStore:
         self._dropped = 0
 
     @property
-    def directory(self) -> str | None:
-        return None if self.disk is None else self.disk.path
-
-    @property
     def dropped(self) -> int:
         """Snapshots that fell off the last tier, could not be stored there, or were evicted
         from the disk tier."""
@@ -344,7 +340,7 @@ class SnapshotStore:
         if raw is None:
             return None
         try:
-            return self._parse(key, raw)
+            return _decode(key, raw, self._structure)
         except (ValueError, KeyError, TypeError) as e:
             self.disk.discard(key, str(e))
             return None
@@ -403,9 +399,6 @@ class SnapshotStore:
         if pages is None:  # its chain's pages left the pool: nothing to restore it with
             return False
         return self.disk.write(record.key, _encode(record, state, pages))
-
-    def _parse(self, key: bytes, raw: bytes) -> LoadedSnapshot:
-        return _decode(key, raw, self._structure)
 
 
 # --- the file format ------------------------------------------------------------------------------

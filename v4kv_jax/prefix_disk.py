@@ -249,7 +249,7 @@ class SnapshotDirectory:
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
-            fd, closing = None, fd
+            closing, fd = fd, None  # close(2) frees the descriptor even when it fails
             os.close(closing)
             os.replace(tmp, path)
         except OSError as e:
