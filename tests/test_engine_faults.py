@@ -355,6 +355,10 @@ def test_the_disk_tier_is_bounded_in_bytes_by_default(tmp_path):
     assert tiny.memory_report().stats["snapshots_dropped"] >= 1
     with pytest.raises(ValueError, match=r"disk_bytes: expected an integer in \[0, inf\]"):
         engine(snapshot_dir=tmp_path, disk_bytes=-1)
+    with pytest.raises(TypeError, match=r"max_bytes: expected an integer; got 1.5"):
+        prefix_disk.SnapshotDirectory(tmp_path, max_files=None, max_bytes=1.5)
+    with pytest.raises(ValueError, match=r"max_files: expected an integer in \[0, inf\]"):
+        prefix_disk.SnapshotDirectory(tmp_path, max_files=-1, max_bytes=None)
 
 
 def test_a_path_that_cannot_be_a_directory_is_an_error_at_engine(tmp_path, monkeypatch):

@@ -102,8 +102,10 @@ class SnapshotDirectory:
 
     def __init__(self, directory, *, max_files: int | None, max_bytes: int | None,
                  name: str = "directory"):
+        self.max_files, self.max_bytes = (
+            None if value is None else checks.integer(arg, value, lo=0)
+            for arg, value in (("max_files", max_files), ("max_bytes", max_bytes)))
         self.path, self.read_only = prepare_directory(name, directory)
-        self.max_files, self.max_bytes = max_files, max_bytes
         self.errors = 0
         self.evicted = 0
         self._files: collections.OrderedDict[bytes, int] = collections.OrderedDict()
