@@ -16,7 +16,12 @@ jitted x + 1 over 1 GiB: 2 GiB moved per call).
         --hca-contexts 4096 --compress-tokens 512 --repeats 1   # smoke run of the kernel path
                                                                 # on CPU (times meaningless)
 
-Writes benchmarks/results/kernels.json.
+    python benchmarks/kernels.py --native --record   # on a TPU / GPU: times each op with
+                                                     # the reference and the kernels and
+                                                     # records the faster in measured.json
+
+Writes benchmarks/results/kernels.json; with --record also `v4kv_jax/measured.json`, the
+table "auto" chooses from (one row per platform and op, replaced by each recording).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import platform
 import statistics
@@ -36,10 +42,11 @@ import numpy as np
 from measure import copy_bandwidth, write_result
 
 from v4kv_jax import config as cfg
-from v4kv_jax import ops, pools
+from v4kv_jax import ops, pools, step
 from v4kv_jax.config import LayerKind
 from v4kv_jax.layout import compressor_specs
 from v4kv_jax.testing import synthetic
+from v4kv_jax.vectors import LayerRef
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_SIZES = dict(csa=(8192, 32768), hca=(32768, 131072), compress=(8192,))
@@ -107,64 +114,66 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> Iterator[Ro
     slots = jnp.arange(batch, dtype=jnp.int32)
     kv_end = jnp.full((batch,), context, jnp.int32)
     rows = cache.pages.page_table
-    options = dict(implementation=implementation, interpret=interpret)
+    options = cfg.Options(implementation=implementation, interpret=interpret)
     entries = context // model.csa_ratio
 
     @jax.jit
     def scores(cache, queries):
-        return ops.index_scores(model, geometry, index_keys=pools.entries(cache, "csa_index"),
-                                layer=0, page_rows=rows, index_q=queries.index_q[:, 0],
+        return ops.index_scores(model, geometry, options,
+                                index_keys=pools.entries(cache, "csa_index"), layer=0,
+                                page_rows=rows, index_q=queries.index_q[:, 0],
                                 index_weights=queries.index_weights[:, 0], q_pos=kv_end - 1,
-                                kv_end=kv_end, **options)
+                                kv_end=kv_end)
 
     @jax.jit
     def decode(cache, queries):
-        return ops.decode_attention(cache, LayerKind.CSA, 0, 0, queries, slots, kv_end - 1,
-                                    kv_end, **options)[0]
+        return step.decode_attention(cache, LayerRef.of(cache, 0), queries, slots,
+                                     options=options)
 
-    picks = ops.index_topk(model, geometry, index_keys=pools.entries(cache, "csa_index"),
-                           layer=0, page_rows=rows, index_q=queries.index_q[:, 0],
+    picks = ops.index_topk(model, geometry, cfg.Options(implementation="reference"),
+                           index_keys=pools.entries(cache, "csa_index"), layer=0,
+                           page_rows=rows, index_q=queries.index_q[:, 0],
                            index_weights=queries.index_weights[:, 0], q_pos=kv_end - 1,
-                           kv_end=kv_end, implementation="reference")
+                           kv_end=kv_end)
 
     @jax.jit
     def sparse(cache, queries):
         return ops.sparse_decode_attention(
-            model, geometry, q=queries.q[:, 0], sink=queries.sink,
+            model, geometry, options, q=queries.q[:, 0], sink=queries.sink,
             window=pools.window_ring(cache), window_layer=0, slot_ids=slots, q_pos=kv_end - 1,
             kv_end=kv_end, c4=pools.entries(cache, "csa"), c4_layer=0, page_rows=rows,
-            picks=picks, **options)
+            picks=picks)
 
     key_bytes = batch * entries * model.index_head_dim * 2
     pick_bytes = batch * model.index_topk * (model.head_dim * 2 + 4)
     index_q = batch * model.index_heads * (model.index_head_dim + 1) * 4
-    impl = ops.selected(model, None, implementation, interpret)[0]
-    for name, fn, nbytes in (
-            ("indexer scores", scores, key_bytes + index_q + batch * entries * 4),
-            ("csa sparse attention", sparse,
+    for name, op, fn, nbytes in (
+            ("indexer scores", "index_scores", scores,
+             key_bytes + index_q + batch * entries * 4),
+            ("csa sparse attention", "sparse_decode_attention", sparse,
              pick_bytes + _window_bytes(model, batch) + _query_bytes(model, batch)),
-            ("csa decode (indexer+top-k+attention)", decode,
+            ("csa decode (indexer+top-k+attention)", "sparse_decode_attention", decode,
              key_bytes + index_q + pick_bytes + _window_bytes(model, batch)
              + _query_bytes(model, batch))):
         first, seconds = timed(fn, (cache, queries), repeats)
+        impl = ops.choose(op, model, geometry, options).implementation
         yield Row(name, impl, batch, context, first, seconds, nbytes)
 
 
 def bench_hca(batch, context, implementation, interpret, repeats) -> Iterator[Row]:
     model, geometry, cache, queries = _decode_cache(LayerKind.HCA, batch, context)
     slots = jnp.arange(batch, dtype=jnp.int32)
-    kv_end = jnp.full((batch,), context, jnp.int32)
+    options = cfg.Options(implementation=implementation, interpret=interpret)
 
     @jax.jit
     def dense(cache, queries):
-        return ops.decode_attention(cache, LayerKind.HCA, 0, 0, queries, slots, kv_end - 1,
-                                    kv_end, implementation=implementation,
-                                    interpret=interpret)[0]
+        return step.decode_attention(cache, LayerRef.of(cache, 0), queries, slots,
+                                     options=options)
 
     nbytes = (batch * (context // model.hca_ratio) * model.head_dim * 2
               + _window_bytes(model, batch) + _query_bytes(model, batch))
     first, seconds = timed(dense, (cache, queries), repeats)
-    impl = ops.selected(model, None, implementation, interpret)[0]
+    impl = ops.choose("dense_decode_attention", model, geometry, options).implementation
     yield Row("hca dense attention", impl, batch, context, first, seconds, nbytes)
 
 
@@ -182,20 +191,20 @@ def bench_compress(tokens, implementation, interpret, repeats) -> Iterator[Row]:
     gate = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
     tail = pools.tail(cache, "csa")
     zero = jnp.zeros((1,), jnp.int32)
+    options = cfg.Options(implementation=implementation, interpret=interpret)
 
     @functools.partial(jax.jit, donate_argnums=0)
     def emit(pool, kv, gate):
-        return (ops.emit_entries(spec, model, geometry, pool=pool,
+        return (ops.emit_entries(spec, model, geometry, options, pool=pool,
                                  page_rows=cache.pages.page_table,
                                  layers=jnp.zeros((1,), jnp.int32), tail_kv=tail.kv,
                                  tail_gate=tail.gate, slot_ids=zero, kv=kv, gate=gate,
                                  start=zero, n_new=jnp.full((1,), tokens, jnp.int32),
-                                 norm=jnp.ones((1, spec.width), jnp.float32),
-                                 implementation=implementation, interpret=interpret),)
+                                 norm=jnp.ones((1, spec.width), jnp.float32)),)
 
     nbytes = 2 * tokens * spec.in_width * 4 + (tokens // spec.ratio) * spec.width * 2
     first, seconds = timed(emit, (jnp.copy(pools.entries(cache, "csa")), kv, gate), repeats)
-    impl = ops.selected(model, None, implementation, interpret)[0]
+    impl = ops.choose("emit_entries", model, geometry, options).implementation
     yield Row("compressor prefill (csa)", impl, 1, tokens, first, seconds, nbytes)
 
 
@@ -207,6 +216,41 @@ def _format(row: Row, copy_bw: float) -> str:
     return (f"{row.op:<38} {row.implementation:<11} {row.batch:>3} {row.context:>8} "
             f"{row.seconds * 1e3:>9.3f} {row.bytes / 1e6:>9.2f} {row.bandwidth / 1e9:>8.2f} "
             f"{row.bandwidth / copy_bw:>7.1%} {row.first_s:>10.2f}")
+
+
+# Row names of the ops "auto" chooses for -> their name in `ops`.
+RECORDED_OPS = {"indexer scores": "index_scores", "csa sparse attention": "sparse_decode_attention",
+                "hca dense attention": "dense_decode_attention",
+                "compressor prefill (csa)": "emit_entries"}
+
+
+def record(rows: list[Row], backend: str, device: str, path: str = ops.MEASURED_PATH) -> None:
+    """Writes the reference and kernel times of each op into the table "auto" reads: per op,
+    the largest context timed with both replaces that platform's row; other rows are kept."""
+    with open(path) as f:
+        table = json.load(f)
+    new = []
+    for name, op in RECORDED_OPS.items():
+        times = {}
+        for r in rows:
+            if r.op == name:
+                times.setdefault(r.context, {})[r.implementation] = r.seconds * 1e3
+        both = [c for c, t in times.items() if "reference" in t and len(t) == 2]
+        if not both:
+            continue
+        context = max(both)
+        kernel = next(ms for impl, ms in times[context].items() if impl != "reference")
+        new.append(dict(platform=backend, op=op, device=device, jax=jax.__version__,
+                         shape=f"V4-Flash widths, batch {rows[0].batch}, context {context}",
+                         reference_ms=round(times[context]["reference"], 4),
+                         kernel_ms=round(kernel, 4)))
+    replaced = {(r["platform"], r["op"]) for r in new}
+    kept = [r for r in table["measurements"] if (r["platform"], r["op"]) not in replaced]
+    table["measurements"] = sorted(kept + new, key=lambda r: (r["platform"], r["op"]))
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"recorded {len(new)} of {len(table['measurements'])} rows in {path}")
 
 
 def main(argv=None):
@@ -225,7 +269,16 @@ def main(argv=None):
     p.add_argument("--hca-contexts", type=int, nargs="+")
     p.add_argument("--compress-tokens", type=int, nargs="+")
     p.add_argument("--out", default=os.path.join(HERE, "results", "kernels.json"))
+    p.add_argument("--record", action="store_true",
+                   help="time every op with the reference and with this platform's kernels and "
+                        "record both in v4kv_jax/measured.json (run on the accelerator itself)")
     args = p.parse_args(argv)
+    implementations = [args.implementation]
+    if args.record:
+        if jax.default_backend() not in ("tpu", "gpu") or args.interpret:
+            p.error("--record: expected a TPU or GPU backend without --interpret; got "
+                    f"{jax.default_backend()!r}")
+        implementations = ["reference", ops.resolve("auto")]
     sizes = dict(NATIVE_SIZES if args.native else CPU_SIZES)
     for key, given in (("csa", args.csa_contexts), ("hca", args.hca_contexts),
                        ("compress", args.compress_tokens)):
@@ -244,12 +297,13 @@ def main(argv=None):
             rows.append(row)
             print(_format(row, copy_bw), flush=True)
 
-    for context in sizes["csa"] if "csa" in args.ops else ():
-        run(bench_csa(args.batch, context, args.implementation, args.interpret, args.repeats))
-    for context in sizes["hca"] if "hca" in args.ops else ():
-        run(bench_hca(args.batch, context, args.implementation, args.interpret, args.repeats))
-    for tokens in sizes["compress"] if "compress" in args.ops else ():
-        run(bench_compress(tokens, args.implementation, args.interpret, args.repeats))
+    for impl in implementations:
+        for context in sizes["csa"] if "csa" in args.ops else ():
+            run(bench_csa(args.batch, context, impl, args.interpret, args.repeats))
+        for context in sizes["hca"] if "hca" in args.ops else ():
+            run(bench_hca(args.batch, context, impl, args.interpret, args.repeats))
+        for tokens in sizes["compress"] if "compress" in args.ops else ():
+            run(bench_compress(tokens, impl, args.interpret, args.repeats))
 
     result = dict(
         backend=jax.default_backend(), device=device.device_kind, jax=jax.__version__,
@@ -258,6 +312,8 @@ def main(argv=None):
         rows=[dict(dataclasses.asdict(r), bandwidth_bytes_per_s=r.bandwidth,
                    fraction_of_copy=r.bandwidth / copy_bw) for r in rows])
     write_result(result, args.out)
+    if args.record:
+        record(rows, jax.default_backend(), device.device_kind)
 
 
 if __name__ == "__main__":

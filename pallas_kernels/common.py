@@ -129,6 +129,15 @@ def check_positive(obj) -> None:
             raise ValueError(f"{type(obj).__name__}.{field.name}={value!r} must be a positive int")
 
 
+def power_of_two_problem(**dims: int) -> str | None:
+    """Why a config cannot be tiled by Triton (power-of-two shapes), or None: names the first
+    dim that is not a power of two."""
+    for name, value in dims.items():
+        if not is_power_of_two(value):
+            return f"{name}={value} is not a power of two (needed by the GPU kernels)"
+    return None
+
+
 def check_power_of_two(**dims: int) -> None:
     """Triton tensors have power-of-two shapes: raises naming the first dim that is not."""
     for name, value in dims.items():

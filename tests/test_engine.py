@@ -313,10 +313,9 @@ def test_one_program_serves_every_step_and_prompt_length():
     eng.generate([BASE[:140]], 2)  # a hit: attach, restore
     eng.clear_prefix_cache()
     counts = lambda: (engine_module.compiled_step_programs(),  # noqa: E731
-                      *(f._cache_size() for f in (prefix_cache._attach,
-                                                  prefix_cache._restore,
-                                                  prefix_cache._snapshot,
-                                                  prefix_cache._hold, prefix_cache._drop)))
+                      *(f.traces for f in (prefix_cache._attach, prefix_cache._restore,
+                                           prefix_cache._snapshot, prefix_cache._hold,
+                                           prefix_cache._drop)))
     before = counts()
     prompts = [BASE[:n] for n in (1, 63, 64, 65, 129, 300)]
     outs = eng.generate(prompts, 5, temperature=0.7)

@@ -38,7 +38,7 @@ TIGHT = v4.CacheConfig(num_pages=2, max_slots=3, max_pages_per_seq=1)
 
 def _programs() -> int:
     """Programs compiled so far by the core's jitted prefill and prefill-with-attention."""
-    return step._append_all_jit._cache_size() + step._append_attend_all_jit._cache_size()
+    return step._append_all_jit.traces + step._append_attend_all_jit.traces
 
 
 def _prefilled(geometry=GEOMETRY) -> CacheManager:

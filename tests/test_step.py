@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import v4kv_jax as v4
-from v4kv_jax import append, attention, indexer, paging, pools, step
+from v4kv_jax import append, attention, indexer, paging, pools, programs, step
 from v4kv_jax.config import LayerKind
 from v4kv_jax.testing import oracle, synthetic
 
@@ -300,8 +300,12 @@ def test_300_decode_steps_across_page_edges_compile_once():
     of the update + attention, whatever the lengths; the public entry points agree."""
     geometry = v4.CacheConfig(num_pages=5, max_slots=2, max_pages_per_seq=3)
     data = synthetic.SyntheticBatch.draw(MODEL, 2, 320, seed=0)
-    update = step.jitted(chex.assert_max_traces(step._append_all, n=1))
-    update_attend = step.jitted(chex.assert_max_traces(step._append_attend_all, n=1))
+    def compiled(name, fn):  # as the library compiles its steps (programs), traces checked
+        return programs.program(name, chex.assert_max_traces(fn, n=1), donate=("cache",),
+                                static=("options",), register=False)
+
+    update = compiled("update", step._append_all)
+    update_attend = compiled("update_attend", step._append_attend_all)
     options = v4.Options()
     cache = new_cache(MODEL, geometry)
     slots, one = jnp.arange(2), jnp.ones(2, jnp.int32)
@@ -313,17 +317,18 @@ def test_300_decode_steps_across_page_edges_compile_once():
             cache, _ = update_attend(cache, data.take(np.full(2, p)),
                                      data.stacked_queries([p, p]), data.weights, slots, one,
                                      options=options)
+    assert (update.traces, update_attend.traces) == (1, 1)
     assert int(cache.state.lengths[0]) == 320
     assert len(v4.inspect_slots(cache)[0].pages) == 3
     # The jitted public entry points: one compilation each across 100 more page-crossing steps.
-    before = (step._append_all_jit._cache_size(), step._append_attend_all_jit._cache_size())
+    before = (step._append_all_jit.traces, step._append_attend_all_jit.traces)
     cache = new_cache(MODEL, geometry)
     for p in range(100, 260, 2):
         cache = v4.decode_step(cache, data.take(np.full(2, p)), data.weights)
         cache, _ = step.append_and_attend(cache, data.take(np.full(2, p + 1)),
                                           data.stacked_queries([p + 1, p + 1]), data.weights,
                                           slots, one)
-    after = (step._append_all_jit._cache_size(), step._append_attend_all_jit._cache_size())
+    after = (step._append_all_jit.traces, step._append_attend_all_jit.traces)
     assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
 
 

@@ -1,5 +1,7 @@
-"""The module map holds: data flows one way, ops is the only door to a kernel, only pools
-reaches pool storage by field name, and each reference op is named like its kernels."""
+"""The module map holds: data flows one way, and the rules of `RULES`: ops is the only door to
+a kernel and the only reader of a chunk, only the pools rooms reach pool storage (fields and
+page state) by name, only programs compiles; each reference op is named like its kernels.
+Each rule is shown to catch a violation planted in a copy of the package."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import ast
 import importlib
 import pathlib
 import re
+import shutil
 
 import pytest
 
@@ -16,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "v4kv_jax"
 
 # Lowest first: a module may import only modules before it (and the package's own children).
-ORDER = ["checks", "config", "layout", "storage", "vectors", "rope", "paging", "pools",
+ORDER = ["checks", "config", "programs", "layout", "storage", "vectors", "rope", "paging", "pools",
          "compressor", "indexer", "attention", "ops", "append", "step", "prefix_disk", "prefix",
          "prefix_cache", "manager", "nn", "engine", "interop", "testing", "cli"]
 
@@ -64,32 +67,82 @@ def test_no_module_imports_one_above_it(path):
     assert not above, f"{path.relative_to(ROOT)} ({unit}) imports {above}, which sit above it"
 
 
-def test_ops_is_the_only_door_to_the_kernels():
-    loads = re.compile(r"^\s*(from|import) pallas_kernels|import_module\(", re.M)
-    for path in _library_files():
-        if path != PACKAGE / "ops.py":
-            assert not loads.search(path.read_text()), path
+def _code(path: pathlib.Path) -> str:
+    """A file's lines that are code (not comments or docstring lines)."""
+    return "\n".join(line for line in path.read_text().splitlines()
+                     if not line.strip().startswith(("#", '"', "'")))
+
+
+# Each rule: (what it states, files it does not apply to (relative to the package), pattern).
+RULES = {
+    "only ops loads a kernel": (
+        {"ops.py"}, re.compile(r"^\s*(from|import) pallas_kernels|import_module\(", re.M)),
+    "only the pools rooms reach pool storage (fields, page state) by name": (
+        {"pools/tree.py", "pools/slots.py", "pools/transfers.py", "pools/report.py",
+         "pools/__init__.py", "storage.py"},
+        re.compile(r"\.classical\b|\.state\.(window|lengths|status|csa|csa_index|hca)\b"
+                   r"|\bClassicalPool\b|\bStatePool\b|cache\.pages\b|replace\(pages="
+                   r"|\.pages\.(page_table|refcount|num_free|free_stack)\b")),
+    "every read of a chunk goes through ops.read (no reference read called elsewhere)": (
+        {"ops.py", "attention.py", "indexer.py", "compressor.py"},
+        re.compile(r"\b(attention\.(attend|sparse_decode_attention|dense_decode_attention)"
+                   r"|indexer\.(index_scores|index_topk|key_scores|picks_from_scores)"
+                   r"|compressor\.emit_entries(_online)?)\(")),
+    "only programs compiles (jax.jit); testing/synthetic.py's data helpers may": (
+        {"programs.py", "testing/synthetic.py"},
+        re.compile(r"\bjax\.jit\(|@jax\.jit\b|\bnnx\.jit\b|partial\(jax\.jit\b"
+                   r"|^\s*from jax import .*\bjit\b", re.M)),
+}
+
+
+def violations(package: pathlib.Path) -> list[str]:
+    """'rule: file: match' for every rule a library file breaks."""
+    found = []
+    for rule, (exempt, pattern) in RULES.items():
+        for path in sorted(package.rglob("*.py")):
+            rel = path.relative_to(package).as_posix()
+            if rel in exempt:
+                continue
+            hit = pattern.search(_code(path))
+            if hit:
+                found.append(f"{rule}: {rel}: {hit[0].strip()}")
+    return found
+
+
+def test_the_library_keeps_every_rule():
+    assert violations(PACKAGE) == []
+
+
+@pytest.mark.parametrize("rule, file, line", [
+    ("only ops loads a kernel", "step.py", "from pallas_kernels import indexer"),
+    ("only the pools rooms", "engine.py", "table = self.cache.pages.page_table"),
+    ("only the pools rooms", "append.py", "x = cache.state.window"),
+    ("every read of a chunk", "step.py", "out = attention.attend(model, geo, options)"),
+    ("every read of a chunk", "nn/attention.py", "picks = indexer.index_topk(model)"),
+    ("only programs compiles", "manager.py", "_f = jax.jit(pools.reset_slot)"),
+    ("only programs compiles", "nn/generate.py", "@functools.partial(jax.jit, donate_argnums=0)"),
+])
+def test_a_planted_violation_is_found(tmp_path, rule, file, line):
+    copy = tmp_path / "v4kv_jax"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / file, "a") as f:
+        f.write(f"\n\n{line}\n")
+    found = violations(copy)
+    assert len(found) == 1 and found[0].startswith(rule) and f": {file}: " in found[0], found
+
+
+def test_kernels_import_only_their_helpers():
     own = re.compile(r"^\s*(from|import) v4kv_jax", re.M)
     for path in (ROOT / "pallas_kernels").rglob("*.py"):
-        assert not own.search(path.read_text()), path  # kernels import only their helpers
-
-
-def test_only_pools_reaches_pool_storage_by_field_name():
-    fields = re.compile(r"\.classical\b|\.state\.(window|lengths|status|csa|csa_index|hca)\b"
-                        r"|\bClassicalPool\b|\bStatePool\b")
-    for path in _library_files():
-        if path.parent == PACKAGE / "pools" or path.name == "storage.py":
-            continue
-        code = "\n".join(line for line in path.read_text().splitlines()
-                         if not line.strip().startswith(("#", '"', "'")))
-        assert not fields.search(code), f"{path.relative_to(ROOT)}: {fields.search(code)[0]}"
+        assert not own.search(path.read_text()), path
 
 
 @pytest.mark.parametrize("op", sorted(ops._OPS))
 def test_each_reference_op_and_its_kernels_share_a_name(op):
-    reference, folder, name = ops._OPS[op]
-    assert reference.__name__ == name == op
+    reference, folder = ops._OPS[op]
+    assert reference.__name__ == op
     assert (ROOT / "pallas_kernels" / folder).is_dir()
     for backend in ("tpu", "gpu"):
         module = importlib.import_module(f"pallas_kernels.{folder}.{backend}")
-        assert callable(getattr(module, name))
+        assert callable(getattr(module, op))
+        assert callable(module.supported)  # each backend says which configs it runs

@@ -58,11 +58,6 @@ class AppendPlan:
         return self.start[:, None] + jnp.arange(tokens, dtype=jnp.int32)[None, :]
 
 
-def page_rows(cache: Cache, slot_ids: jax.Array) -> jax.Array:
-    """i32[B, max_pages_per_seq]: the page-table rows of `slot_ids` (`paging.slot_rows`)."""
-    return paging.slot_rows(cache.pages, slot_ids)
-
-
 def read_slots(cache: Cache, slot_ids: jax.Array) -> jax.Array:
     """Slot ids clipped into [0, max_slots) for reads of per-slot State rows; callers mask
     what a clipped row reads by its length (0 for rows that read nothing)."""
@@ -143,7 +138,7 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
     wants = (n_new > 0) & (status == SlotStatus.ACTIVE)
     over = start + n_new > geo.max_seq_len
     max_new_pages = -(-tokens // geo.page_tokens) + 1
-    pages, granted = paging.allocate(cache.pages, ids, start + n_new, wants & ~over,
+    pages, granted = paging.allocate(pools.page_state(cache), ids, start + n_new, wants & ~over,
                                      geo.page_tokens, max_new_pages)
     flag = jnp.where(over, SlotStatus.OVER_CAPACITY, SlotStatus.OUT_OF_PAGES)
     new_status = pools.status(cache).at[ids].max(jnp.where(wants & ~granted, flag, status),
@@ -154,7 +149,7 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
     new_status = new_status.at[named].max(
         jnp.where(current != SlotStatus.FREE, SlotStatus.REJECTED, SlotStatus.FREE), mode="drop")
     plan = AppendPlan(slot_ids=ids, start=start, n_new=jnp.where(granted, n_new, 0))
-    return pools.with_slots(cache.replace(pages=pages), status=new_status), plan
+    return pools.with_slots(pools.with_page_state(cache, pages), status=new_status), plan
 
 
 def check_replay(cache: Cache, slot_ids, start, n_new, tokens: int) -> None:
@@ -273,7 +268,7 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
         pool, tail = ops.emit_entries_online(
             spec, model, geo, options,
             pool=None if plan.state_only else pools.entries(cache, spec.name),
-            page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail=tail,
+            page_rows=pools.page_rows(cache, plan.slot_ids), layers=layers, tail=tail,
             slot_ids=plan.slot_ids, kv=kv, gate=gate, start=plan.start, n_new=plan.n_new,
             norm=params.norm)
         if pool is not None:
@@ -282,7 +277,7 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     if not plan.state_only:
         pool = ops.emit_entries(
             spec, model, geo, options, pool=pools.entries(cache, spec.name),
-            page_rows=page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
+            page_rows=pools.page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
             tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
             start=plan.start, n_new=plan.n_new, norm=params.norm)
         cache = pools.with_entries(cache, spec.name, pool)
@@ -314,5 +309,5 @@ def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
 
 
 __all__ = ["AppendPlan", "after", "append_compressor", "append_layers", "begin_append",
-           "check_replay", "check_rows", "end_append", "page_rows", "read_slots", "replay_plan",
+           "check_replay", "check_rows", "end_append", "read_slots", "replay_plan",
            "write_window"]

@@ -200,8 +200,8 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
     while engine.status(request) != "decode":
         engine.step()
     slot = engine.table.slot(request)
-    attached = np.asarray(engine.cache.pages.page_table)[slot, :shared // P].tolist()
-    refcount = np.asarray(engine.cache.pages.refcount)[attached].tolist()
+    attached = np.asarray(pools.page_table(engine.cache))[slot, :shared // P].tolist()
+    refcount = np.asarray(pools.refcounts(engine.cache))[attached].tolist()
     while hit is None:
         hit = next((o for o in engine.step() if o.request_id == request), None)
     (cold,) = engine.generate([prompt], new, cache_salt="cold")

@@ -245,6 +245,10 @@ PRESET_FORMATS = {"flash": "release", "pro": "release", "tiny": "float32"}
 # How the decode attention, the indexer and the compressor emission run (see `v4kv_jax.ops`).
 IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
+# The ops with a Pallas kernel (`v4kv_jax.ops`): the keys of `Options.block_sizes`.
+KERNEL_OPS = ("emit_entries", "emit_entries_online", "index_scores", "sparse_decode_attention",
+              "dense_decode_attention")
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -326,9 +330,13 @@ class Options:
 
     Attributes:
       implementation: the CSA / HCA decode attention, the indexer and the compressor
-        emission: "auto" (Pallas on TPU and GPU, the jnp reference on CPU), "reference",
-        "pallas_tpu" or "pallas_gpu" (see `v4kv_jax.ops`).
+        emission: "auto" (per op and platform, the faster of the reference and the kernels
+        as measured (`v4kv_jax/measured.json`), else the platform's kernels; the reference
+        on CPU), "reference", "pallas_tpu" or "pallas_gpu" (see `v4kv_jax.ops`).
       interpret: run the Pallas kernels in interpret mode (tests on CPU).
+      block_sizes: tiling of the kernels, per op: a mapping from names in `KERNEL_OPS` to
+        the op's `BlockSizes` (`pallas_kernels.<op folder>.blocks`); an op not named uses
+        its kernel's defaults. Stored as a sorted tuple of pairs (hashable).
       index_read_entries: indexer keys the reference scores per loop step (rounded to whole
         pages); the loop runs over used pages only, so its cost follows the context.
       hca_read_entries: C128 entries the reference reads per loop step (whole pages).
@@ -340,6 +348,7 @@ class Options:
     index_read_entries: int = 4096
     hca_read_entries: int = 512
     query_tile: int = 64
+    block_sizes: tuple = ()
 
     def __post_init__(self):
         checks.one_of("implementation", self.implementation, IMPLEMENTATIONS)
@@ -347,6 +356,23 @@ class Options:
             checks.fail("interpret", "a bool", repr(self.interpret), TypeError)
         for name in ("index_read_entries", "hca_read_entries", "query_tile"):
             checks.integer(name, getattr(self, name), lo=1)
+        pairs = self.block_sizes
+        if isinstance(pairs, dict):
+            pairs = tuple(pairs.items())
+        if not isinstance(pairs, tuple) or not all(isinstance(p, tuple) and len(p) == 2
+                                                   for p in pairs):
+            checks.fail("block_sizes", "a mapping {op name: BlockSizes}", repr(pairs),
+                        TypeError)
+        for op, sizes in pairs:
+            checks.one_of("block_sizes key", op, KERNEL_OPS)
+            if not dataclasses.is_dataclass(sizes) or isinstance(sizes, type):
+                checks.fail(f"block_sizes[{op!r}]", "a BlockSizes instance", repr(sizes),
+                            TypeError)
+        object.__setattr__(self, "block_sizes", tuple(sorted(pairs, key=lambda p: p[0])))
+
+    def blocks(self, op: str):
+        """The `BlockSizes` given for `op`, or None (the kernel's defaults)."""
+        return dict(self.block_sizes).get(op)
 
     def read_chunk_pages(self, geometry: CacheConfig, entries: int, ratio: int) -> int:
         """Pages per loop step when reading about `entries` entries of a kind with `ratio`."""

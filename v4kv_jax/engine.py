@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from v4kv_jax import checks, pools, prefix
-from v4kv_jax.config import CacheConfig, Options, options_or_default
-from v4kv_jax.manager import PageShortfall, PoolExhaustedError, SlotTable
-from v4kv_jax.nn.generate import sample
+from v4kv_jax import checks, pools, prefix, programs
+from v4kv_jax.config import CacheConfig, Options
+from v4kv_jax.manager import PageShortfall, PoolExhaustedError
+from v4kv_jax.nn.generate import ModelCache, sample
 from v4kv_jax.nn.model import Decoder
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
@@ -115,13 +115,14 @@ def _step(graphdef, options: Options, params, cache: Cache, batch: StepBatch, ke
     return cache, nxt, logits
 
 
-_step_jit = jax.jit(_step, static_argnames=("graphdef", "options"), donate_argnames=("cache",))
+_step_jit = programs.program("engine.step", _step, donate=("cache",),
+                             static=("graphdef", "options"))
 
 
 def compiled_step_programs() -> int:
     """How many step programs the engines of this process have compiled (one per model
     structure, geometry and options: every step and every prompt length share it)."""
-    return _step_jit._cache_size()
+    return _step_jit.traces
 
 
 # --- requests and outputs -------------------------------------------------------------------------
@@ -265,7 +266,7 @@ class EngineReport:
 # --- the engine -----------------------------------------------------------------------------------
 
 
-class Engine:
+class Engine(ModelCache):
     """Continuous batching with prefix sharing over one cache; see the module docstring.
 
     Args:
@@ -296,10 +297,7 @@ class Engine:
                  snapshot_dir: str | os.PathLike | None = None,
                  disk_snapshots: int | None = None, disk_bytes: int | None = prefix.DISK_BYTES,
                  seed: int = 0, keep_logits: bool = False, options: Options | None = None):
-        if not isinstance(model, Decoder):
-            checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
-        if not isinstance(geometry, CacheConfig):
-            checks.fail("geometry", "a CacheConfig", type(geometry).__name__, TypeError)
+        super().__init__(model, geometry, options)
         P = geometry.page_tokens
         prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
         if P % prefill_chunk:
@@ -314,11 +312,6 @@ class Engine:
             checks.fail("keep_logits", "a bool", repr(keep_logits), TypeError)
         self.prefill_chunk = prefill_chunk
         self.keep_logits = keep_logits
-        self.options = options_or_default(options)
-        self.config = model.config
-        self.graphdef, self.params = nnx.split(model)
-        self.cache = pools.init_cache(model.config.attn_config, geometry)
-        self.table = SlotTable(geometry.max_slots)
         self._key = jax.random.PRNGKey(checks.integer("seed", seed))
         attn = model.config.attn_config
         self.replay_pages = pages_for(attn.num_layers * (attn.window - 1) + 1, P)
@@ -341,10 +334,6 @@ class Engine:
         self.stats = dict.fromkeys(
             ("requests", "hits", "prompt_tokens", "cached_tokens", "replayed_tokens",
              "recomputed_tokens"), 0)
-
-    @property
-    def geometry(self) -> CacheConfig:
-        return self.cache.geometry
 
     @property
     def index(self) -> prefix.PrefixIndex:
@@ -548,7 +537,7 @@ class Engine:
         # host state changes (the old cache was taken over: see `_step`).
         nxt = np.asarray(nxt)
         logits = np.asarray(logits) if self.keep_logits else None
-        table = np.asarray(cache.pages.page_table)
+        table = np.asarray(pools.page_table(cache))
         flag_error = self.table.flag_error(cache, [r.id for r in running],
                                            {r.id: r.length + 1 for r in running})
         self.cache = cache
@@ -705,7 +694,7 @@ class Engine:
     # --- reports ----------------------------------------------------------------------------------
 
     def memory_report(self) -> EngineReport:
-        table = np.asarray(self.cache.pages.page_table)
+        table = np.asarray(pools.page_table(self.cache))
         holders = np.bincount(table[table >= 0], minlength=self.geometry.num_pages)
         listed = set(self.index.pages().values())
         disk = self.snapshots.disk

@@ -2,12 +2,15 @@
 
 The device never raises; it flags a slot (`SlotStatus`) and writes nothing for it. This
 module is the one place that turns those flags into exceptions naming the request, and the
-one place that keeps which request holds which slot:
+one place that keeps which request holds which slot. Every host object is a `SlotCache`:
 
   SlotTable     request -> slot; admission into the lowest free slot, release, the checks
                 of a call's request list, and `flag_error` (a slot's flag -> exception)
-  CacheManager  vectors in: one checked call per prefill chunk or decode step, all or nothing
-  nn.Generator  token ids in: one jitted program runs a whole batch; a client of `SlotTable`
+  SlotCache     the base: one cache, its SlotTable, the options; lengths, inspection and
+                the memory report
+  CacheManager  a SlotCache, vectors in: one checked call per prefill chunk or decode step,
+                all or nothing
+  nn.Generator, engine.Engine   SlotCaches of a model (`nn.ModelCache`), token ids in
 
 A call names any subset of the admitted requests; its batch is padded to a bucket size
 (`batch_buckets`: powers of two below `max_slots`, and `max_slots`) with padding rows of slot
@@ -18,21 +21,20 @@ bucket.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import checks, pools, step
+from v4kv_jax import checks, pools, programs, step
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache, SlotStatus
 from v4kv_jax.vectors import CompressorWeights, Queries, TokenVectors
 
-_reset_slot = jax.jit(pools.reset_slot, donate_argnums=0)
-_release_slot = jax.jit(pools.release_slot, donate_argnums=0)
+_reset_slot = programs.program("slots.reset", pools.reset_slot, donate=("cache",))
+_release_slot = programs.program("slots.release", pools.release_slot, donate=("cache",))
 
 
 # --- errors ------------------------------------------------------------------------------------
@@ -117,14 +119,16 @@ def bucket_size(batch: int, max_slots: int) -> int:
     return next(size for size in batch_buckets(max_slots) if size >= batch)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _pad_batch(tree, rows: int):
+def _pad_tree(tree, rows: int):
     """Every array of `tree`, [lead, B, ...], zero-padded to [lead, rows, ...]."""
 
     def pad(x):
         return jnp.pad(x, [(0, 0), (0, rows - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
 
     return jax.tree.map(pad, tree)
+
+
+_pad_batch = programs.program("batch.pad", _pad_tree, static=("rows",))
 
 
 # --- the slot table ---------------------------------------------------------------------------
@@ -231,39 +235,37 @@ class SlotTable:
             return None
         if set(flags.values()) != {SlotStatus.OUT_OF_PAGES.name}:
             return SlotFlaggedError(flags, noun=noun)
-        table = np.asarray(cache.pages.page_table)
+        table = np.asarray(pools.page_table(cache))
         P = cache.geometry.page_tokens
         shortfalls = [
             PageShortfall(r, max(1, int(pages_for(wanted[r], P))
                                  - int(np.sum(table[self.slot(r)] >= 0))))
             for r in flags]
-        return PoolExhaustedError(shortfalls, int(cache.pages.num_free), flags=flags,
+        return PoolExhaustedError(shortfalls, int(pools.free_pages(cache)), flags=flags,
                                   noun=noun)
 
 
 # --- the manager ------------------------------------------------------------------------------
 
 
-class CacheManager:
-    """Admits requests into slots and runs prefill / decode on the shared cache.
-
-    Every call names the requests it appends to, any subset of the admitted ones, with one
-    row of vectors per named request in that order. The batch is padded to a bucket size
-    (`batch_buckets`), so each bucket compiles once per chunk length.
+class SlotCache:
+    """One cache and the requests in its slots: the base of every host object (the
+    CacheManager, the Generator, the Engine).
 
     Args:
       model: attention geometry.
       geometry: cache geometry.
-      weights: the compressor params of every layer (ape and norm per layer).
       options: how the ops run (`Options`), passed to every call; default `Options()`.
     """
 
     def __init__(self, model: AttentionConfig, geometry: CacheConfig,
-                 weights: CompressorWeights, *, options: Options | None = None):
-        self.cache = pools.init_cache(model, geometry)
-        step.check_weights(self.cache, weights)
-        self.weights = weights
+                 options: Options | None = None):
+        if not isinstance(model, AttentionConfig):
+            checks.fail("model", "an AttentionConfig", type(model).__name__, TypeError)
+        if not isinstance(geometry, CacheConfig):
+            checks.fail("geometry", "a CacheConfig", type(geometry).__name__, TypeError)
         self.options = options_or_default(options)
+        self.cache = pools.init_cache(model, geometry)
         self.table = SlotTable(geometry.max_slots)
 
     @property
@@ -279,6 +281,40 @@ class CacheManager:
         """request -> slot of every admitted request, in admission order."""
         return self.table.slots
 
+    def lengths(self) -> dict[Hashable, int]:
+        """request -> tokens its slot holds."""
+        lengths = np.asarray(pools.lengths(self.cache))
+        return {r: int(lengths[s]) for r, s in self.table.slots.items()}
+
+    def inspect(self) -> dict[Hashable, pools.SlotReport]:
+        """request -> `pools.SlotReport` of its slot."""
+        by_slot = {rep.slot: rep for rep in pools.inspect_slots(self.cache)}
+        return {r: by_slot[s] for r, s in self.table.slots.items()}
+
+    def memory_report(self) -> pools.MemoryReport:
+        return pools.memory_report(self.cache)
+
+
+class CacheManager(SlotCache):
+    """Admits requests into slots and runs prefill / decode on the shared cache.
+
+    Every call names the requests it appends to, any subset of the admitted ones, with one
+    row of vectors per named request in that order. The batch is padded to a bucket size
+    (`batch_buckets`), so each bucket compiles once per chunk length.
+
+    Args:
+      model: attention geometry.
+      geometry: cache geometry.
+      weights: the compressor params of every layer (ape and norm per layer).
+      options: how the ops run (`Options`), passed to every call; default `Options()`.
+    """
+
+    def __init__(self, model: AttentionConfig, geometry: CacheConfig,
+                 weights: CompressorWeights, *, options: Options | None = None):
+        super().__init__(model, geometry, options)
+        step.check_weights(self.cache, weights)
+        self.weights = weights
+
     # --- lifecycle ---------------------------------------------------------------------------
 
     def admit(self, request: Hashable) -> int:
@@ -289,10 +325,6 @@ class CacheManager:
     def release(self, request: Hashable) -> None:
         """Ends `request`: its pages go back to the free stack when no one else holds them."""
         self.cache = self.table.release(self.cache, request)
-
-    def lengths(self) -> dict[Hashable, int]:
-        lengths = np.asarray(pools.lengths(self.cache))
-        return {r: int(lengths[s]) for r, s in self.table.slots.items()}
 
     # --- steps -------------------------------------------------------------------------------
 
@@ -375,13 +407,6 @@ class CacheManager:
         """What `request` holds, by entry index and position (`pools.read_slot`)."""
         return pools.read_slot(self.cache, self.table.slot(request))
 
-    def inspect(self) -> dict[Hashable, pools.SlotReport]:
-        by_slot = {rep.slot: rep for rep in pools.inspect_slots(self.cache)}
-        return {r: by_slot[s] for r, s in self.table.slots.items()}
-
-    def memory_report(self) -> pools.MemoryReport:
-        return pools.memory_report(self.cache)
-
     # --- checks ------------------------------------------------------------------------------
 
     def _check_inputs(self, vectors: TokenVectors, queries: Queries | None, batch: int,
@@ -420,10 +445,10 @@ class CacheManager:
                     f"exceeds the maximum sequence length {limit} (max_pages_per_seq="
                     f"{self.geometry.max_pages_per_seq} x page_tokens="
                     f"{self.geometry.page_tokens})")
-        held = np.sum(np.asarray(self.cache.pages.page_table) >= 0, axis=1)
+        held = np.sum(np.asarray(pools.page_table(self.cache)) >= 0, axis=1)
         P = self.geometry.page_tokens
         shortfalls = [PageShortfall(r, need) for r, end in wanted.items()
                       if (need := int(pages_for(end, P) - held[self.table.slot(r)])) > 0]
-        free = int(self.cache.pages.num_free)
+        free = int(pools.free_pages(self.cache))
         if sum(s.pages_needed for s in shortfalls) > free:
             raise PoolExhaustedError(shortfalls, free)

@@ -1,4 +1,17 @@
-"""The only door to an op: each op of the hot path runs its jnp reference or a Pallas kernel.
+"""The only door to an op: the read of a layer, and each op of the hot path as its jnp
+reference or a Pallas kernel.
+
+The read door: `read(kind, ...)` computes one layer's attention for a chunk of any length
+(decode, T = 1, and prefill tiles alike), from arrays the caller hands it (`WindowKeys`,
+`Stored`, `Queries`); it never sees a `Cache`. Per layer kind:
+
+  CSA   indexer scores -> top-k -> `make_resident` (the one place where picked entries are
+        brought where the read finds them; a no-op while every entry lives on the device)
+        -> sparse read of the window and the picks
+  HCA   dense read of the window and every visible C128 entry
+  SWA   the window only
+
+The ops with a kernel:
 
   op                       reference (v4kv_jax)              kernels (pallas_kernels)
   emit_entries             compressor.emit_entries           compressor/{tpu,gpu}.py
@@ -7,57 +20,82 @@
   sparse_decode_attention  attention.sparse_decode_attention sparse_attention/{tpu,gpu}.py
   dense_decode_attention   attention.dense_decode_attention  dense_attention/{tpu,gpu}.py
 
-`index_topk` (scores, then the reference top-k) and `decode_attention` (one CSA or HCA layer
-read straight from a `Cache`) are built on them. Nothing else in the library calls a kernel
-or chooses an implementation.
+The kernels read one query per slot; a chunk of several queries runs the reference. Nothing
+else in the library calls a kernel or chooses an implementation.
 
-Implementations (`Options.implementation`): "reference" (pure jnp), "pallas_tpu" (Mosaic),
-"pallas_gpu" (Triton-lowered) and "auto": Pallas on TPU and GPU, the reference on CPU (and
-on a GPU whose config the GPU kernels cannot tile; see `gpu_support_problem`). Forcing a
-Pallas implementation on a backend that cannot run it raises `KernelUnavailableError`, unless
-`Options.interpret`, which runs the kernel in Pallas interpret mode on any backend (tests).
+`Options` is the only switch: `implementation` ("reference", "pallas_tpu", "pallas_gpu" or
+"auto"), `interpret` and per-op `block_sizes`. `choose` turns it into a `Choice` per op:
+"auto" runs the reference on CPU; on TPU and GPU it runs, per op, the faster of the
+reference and the kernel as measured on that platform (`measured.json`; today the H200 says
+the reference for the three read ops), else the platform's kernel. Each kernel module says
+which configs it runs (`supported(model, geometry)` returns why not, or None): "auto" then
+falls back to the reference; a forced implementation raises, naming the reason. Forcing a
+Pallas implementation on a backend that cannot run it raises `KernelUnavailableError`,
+unless `Options.interpret`, which runs the kernel in Pallas interpret mode on any backend.
 Kernels take what the reference takes (arrays as stored, RoPE frequencies, page tables) and
 return what it returns; their own conventions stay inside their wrappers.
 
-The choice is static (`Options` is hashable), so a jitted step traces once per
-implementation and never branches at run time.
+The choice is static (`Options` is hashable), so a jitted step traces once per option set
+and never branches at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import json
+import os
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
-from v4kv_jax import attention, compressor, indexer, paging, pools, rope, storage
-from v4kv_jax.config import IMPLEMENTATIONS, AttentionConfig, CacheConfig, LayerKind, Options
+from v4kv_jax import attention, compressor, indexer, pools, rope, storage
+from v4kv_jax.config import (
+    IMPLEMENTATIONS,
+    KERNEL_OPS,
+    AttentionConfig,
+    CacheConfig,
+    LayerKind,
+    Options,
+)
 from v4kv_jax.config import options_or_default as _options
 from v4kv_jax.layout import CompressorSpec
 from v4kv_jax.vectors import Queries
 
 _BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+_KERNELS_OF = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
 
-# op -> (reference function, kernel folder, kernel function name)
+# op -> (reference function, kernel folder); the kernel function has the op's name.
 _OPS = {
-    "emit_entries": (compressor.emit_entries, "compressor", "emit_entries"),
-    "emit_entries_online": (compressor.emit_entries_online, "compressor",
-                            "emit_entries_online"),
-    "index_scores": (indexer.index_scores, "indexer", "index_scores"),
-    "sparse_decode_attention": (attention.sparse_decode_attention, "sparse_attention",
-                                "sparse_decode_attention"),
-    "dense_decode_attention": (attention.dense_decode_attention, "dense_attention",
-                               "dense_decode_attention"),
+    "emit_entries": (compressor.emit_entries, "compressor"),
+    "emit_entries_online": (compressor.emit_entries_online, "compressor"),
+    "index_scores": (indexer.index_scores, "indexer"),
+    "sparse_decode_attention": (attention.sparse_decode_attention, "sparse_attention"),
+    "dense_decode_attention": (attention.dense_decode_attention, "dense_attention"),
 }
+assert tuple(_OPS) == KERNEL_OPS
+
+MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 
 
 class KernelUnavailableError(RuntimeError):
     """A forced Pallas implementation cannot run on the current backend."""
 
 
+@functools.cache
+def measured() -> dict[tuple[str, str], dict]:
+    """{(platform, op): measurement} from `measured.json` (one row per platform and op)."""
+    with open(MEASURED_PATH) as f:
+        rows = json.load(f)["measurements"]
+    return {(row["platform"], row["op"]): row for row in rows}
+
+
 def resolve(implementation: str = "auto", *, interpret: bool = False,
             backend: str | None = None) -> str:
-    """The concrete implementation ("reference", "pallas_tpu" or "pallas_gpu") to run.
+    """The implementation a platform runs by default ("reference", "pallas_tpu" or
+    "pallas_gpu"), before any per-op measurement or config check (`choose` adds those).
 
     Args:
       implementation: one of `IMPLEMENTATIONS`.
@@ -69,7 +107,7 @@ def resolve(implementation: str = "auto", *, interpret: bool = False,
                          f"{implementation!r}")
     backend = backend or jax.default_backend()
     if implementation == "auto":
-        return {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+        return _KERNELS_OF.get(backend, "reference")
     if implementation == "reference" or interpret:
         return implementation
     needed = _BACKEND_OF[implementation]
@@ -81,52 +119,71 @@ def resolve(implementation: str = "auto", *, interpret: bool = False,
     return implementation
 
 
-def gpu_support_problem(model: AttentionConfig) -> str | None:
-    """Why the GPU (Triton) kernels cannot tile this config, or None if they can.
+def kernel_module(op: str, implementation: str):
+    """The module of `op`'s kernel for "pallas_tpu" or "pallas_gpu"."""
+    folder = _OPS[op][1]
+    return importlib.import_module(f"pallas_kernels.{folder}.{_BACKEND_OF[implementation]}")
 
-    Triton tensors have power-of-two shapes, so the row widths, the window and the tokens
-    pooled into one entry must be powers of two (every V4 size is).
+
+def supported(op: str, implementation: str, model: AttentionConfig,
+              geometry: CacheConfig) -> str | None:
+    """Why `op`'s kernel of `implementation` cannot run this config, or None if it can."""
+    if implementation == "reference":
+        return None
+    return kernel_module(op, implementation).supported(model, geometry)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What runs one op: `implementation` ("reference", "pallas_tpu" or "pallas_gpu"),
+    `interpret`, the kernel's `block_sizes` (None: its defaults) and `why`, one line."""
+
+    implementation: str
+    interpret: bool
+    block_sizes: object
+    why: str
+
+
+def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
+           options: Options | None = None, *, backend: str | None = None) -> Choice:
+    """The `Choice` for `op` (a name in `KERNEL_OPS`) under `options` on `backend`.
+
+    Raises:
+      KernelUnavailableError: a forced Pallas implementation on another backend (not
+        interpret mode).
+      ValueError: a forced Pallas implementation whose kernel cannot run this config.
     """
-    dims = {
-        "head_dim": model.head_dim, "index_head_dim": model.index_head_dim,
-        "window": model.window, "csa_ratio": model.csa_ratio, "hca_ratio": model.hca_ratio,
-    }
-    for name, value in dims.items():
-        if value & (value - 1):
-            return f"{name}={value} is not a power of two (needed by the GPU kernels)"
-    return None
-
-
-def selected(model: AttentionConfig, options: Options | None = None,
-             implementation: str | None = None, interpret: bool | None = None,
-             backend: str | None = None) -> tuple[str, bool]:
-    """(implementation, interpret) for a config: arguments override the options' fields.
-
-    "auto" on a GPU falls back to the reference when `gpu_support_problem` finds one; a
-    forced "pallas_gpu" raises ValueError instead.
-    """
+    if op not in _OPS:
+        raise ValueError(f"op: expected one of {KERNEL_OPS}; got {op!r}")
     options = _options(options)
-    requested = options.implementation if implementation is None else implementation
-    interpret = options.interpret if interpret is None else interpret
-    impl = resolve(requested, interpret=interpret, backend=backend)
-    if impl == "pallas_gpu":
-        problem = gpu_support_problem(model)
-        if problem is not None:
-            if requested == "auto":
-                return "reference", interpret
-            raise ValueError(f"implementation='pallas_gpu' cannot run this config: {problem}")
-    return impl, interpret
+    requested = options.implementation
+    backend = backend or jax.default_backend()
+    impl = resolve(requested, interpret=options.interpret, backend=backend)
+    why = f"implementation={requested!r}"
+    if requested == "auto":
+        row = measured().get((backend, op))
+        if impl != "reference" and row is not None and row["reference_ms"] < row["kernel_ms"]:
+            impl = "reference"
+            why = (f"auto: measured faster on {row['device']} ({row['shape']}: reference "
+                   f"{row['reference_ms']} ms, kernel {row['kernel_ms']} ms)")
+        else:
+            why = f"auto on {backend}"
+    problem = supported(op, impl, model, geometry)
+    if problem is not None:
+        if requested == "auto":
+            impl, why = "reference", f"auto: the {backend} kernel cannot run it: {problem}"
+        else:
+            raise ValueError(f"implementation={requested!r} cannot run {op} for this config: "
+                             f"{problem}")
+    return Choice(impl, options.interpret, options.blocks(op), why)
 
 
-def _kernel(op: str, model: AttentionConfig, options: Options | None, implementation,
-            interpret) -> tuple[object | None, bool]:
-    """(kernel function or None for the reference, interpret) of `op`."""
-    impl, interpret = selected(model, options, implementation, interpret)
-    if impl == "reference":
-        return None, interpret
-    _, folder, name = _OPS[op]
-    module = importlib.import_module(f"pallas_kernels.{folder}.{_BACKEND_OF[impl]}")
-    return getattr(module, name), interpret
+def _kernel(op: str, model: AttentionConfig, geometry: CacheConfig, options: Options | None):
+    """(kernel function or None for the reference, its `Choice`)."""
+    choice = choose(op, model, geometry, options)
+    if choice.implementation == "reference":
+        return None, choice
+    return getattr(kernel_module(op, choice.implementation), op), choice
 
 
 def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
@@ -136,12 +193,14 @@ def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
                 rope_dim=model.rope_dim)
 
 
+# --- the ops with a kernel ---------------------------------------------------------------------
+
+
 def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
                  options: Options | None = None, *, pool: jax.Array, page_rows: jax.Array,
                  layers: jax.Array, tail_kv: jax.Array, tail_gate: jax.Array,
                  slot_ids: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
-                 n_new: jax.Array, norm: jax.Array, implementation: str | None = None,
-                 interpret: bool | None = None, block_sizes=None) -> jax.Array:
+                 n_new: jax.Array, norm: jax.Array) -> jax.Array:
     """Entries of every block the chunk completes, written into the pool (in place under
     donation). Arguments as `compressor.emit_entries`; returns the updated pool.
 
@@ -151,52 +210,45 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
     arrays = dict(pool=pool, page_rows=page_rows, layers=layers, tail_kv=tail_kv,
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
-    kernel, interpret = _kernel("emit_entries", model, options, implementation, interpret)
-    codec = storage.codec(model, geometry, spec.name)
-    if kernel is None or (codec.packed and codec.fmt not in
-                          importlib.import_module(kernel.__module__).WRITES_PACKED):
-        # A kernel that cannot encode the pool's packed format leaves it to the reference.
+    kernel, choice = _kernel("emit_entries", model, geometry, options)
+    if kernel is None:
         return compressor.emit_entries(spec, model, geometry, **arrays)
+    codec = storage.codec(model, geometry, spec.name)
     return kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
-                  overlap=spec.overlap, eps=model.rms_eps, block_sizes=block_sizes,
-                  interpret=interpret, entry_format=codec.fmt, rope_dim=codec.rope_dim)
+                  overlap=spec.overlap, eps=model.rms_eps, block_sizes=choice.block_sizes,
+                  interpret=choice.interpret, entry_format=codec.fmt, rope_dim=codec.rope_dim)
 
 
 def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
                         options: Options | None = None, *, pool: jax.Array | None,
                         page_rows: jax.Array, layers: jax.Array, tail: pools.OnlineTail,
                         slot_ids: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
-                        n_new: jax.Array, norm: jax.Array, implementation: str | None = None,
-                        interpret: bool | None = None, block_sizes=None
+                        n_new: jax.Array, norm: jax.Array
                         ) -> tuple[jax.Array | None, pools.OnlineTail]:
     """The HCA compressor with hca_tail="online": folds the chunk into the online tails and
     writes the entry of every block it completes (`compressor.emit_entries_online`; layout
     and update rule in the `pools` docstring). Returns (pool or None, `pools.OnlineTail`).
 
     The Pallas kernels alias the pool and the tails to their outputs and donate them: called
-    outside jit, the arrays passed in are consumed (use the returned ones).
+    outside jit, the arrays passed in are consumed (use the returned ones). They run one
+    program per layer and row: there is nothing to tile, so no block sizes.
     """
-    kernel, interpret = _kernel("emit_entries_online", model, options, implementation,
-                                interpret)
-    codec = storage.codec(model, geometry, spec.name)
-    if kernel is None or (pool is not None and codec.packed and codec.fmt not in
-                          importlib.import_module(kernel.__module__).WRITES_PACKED):
+    kernel, choice = _kernel("emit_entries_online", model, geometry, options)
+    if kernel is None:
         return compressor.emit_entries_online(
             spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
             slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
-    del block_sizes  # one program per layer and row: nothing to tile
+    codec = storage.codec(model, geometry, spec.name)
     pool, state = kernel(pool, page_rows, layers, tail.max, tail.sum, tail.weighted, slot_ids,
                          kv, gate, start, n_new, norm, rope.inv_frequencies(model, spec.kind),
-                         ratio=spec.ratio, eps=model.rms_eps, interpret=interpret,
+                         ratio=spec.ratio, eps=model.rms_eps, interpret=choice.interpret,
                          entry_format=codec.fmt, rope_dim=codec.rope_dim)
     return pool, pools.OnlineTail(*state)
 
 
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
                  *, index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
-                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
-                 implementation: str | None = None, interpret: bool | None = None,
-                 block_sizes=None) -> jax.Array:
+                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array) -> jax.Array:
     """f32[B, capacity]: indexer scores of one query per slot, -inf where not a candidate.
 
     Entries i < min((q_pos + 1) // m, kv_end // m) on present pages are candidates.
@@ -212,15 +264,15 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     fp4_index keys rotated and fake-quantised like them), for every implementation.
     """
     index_q = indexer.prepare_index_query(geometry, index_q)
-    kernel, interpret = _kernel("index_scores", model, options, implementation, interpret)
+    kernel, choice = _kernel("index_scores", model, geometry, options)
     if kernel is None:
         return indexer.index_scores(
             model, geometry, _options(options), index_keys=index_keys, layer=layer,
             page_rows=page_rows, index_q=index_q[:, None], index_weights=index_weights[:, None],
             q_pos=q_pos[:, None], kv_end=kv_end)[:, 0]
     return kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
-                  ratio=model.csa_ratio, block_sizes=block_sizes, interpret=interpret,
-                  index_format=geometry.index_dtype)
+                  ratio=model.csa_ratio, block_sizes=choice.block_sizes,
+                  interpret=choice.interpret, index_format=geometry.index_dtype)
 
 
 def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
@@ -238,85 +290,186 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig,
                             options: Options | None = None, *, q: jax.Array, sink: jax.Array,
                             window: jax.Array, window_layer, slot_ids: jax.Array,
                             q_pos: jax.Array, kv_end: jax.Array, c4: jax.Array, c4_layer,
-                            page_rows: jax.Array, picks: jax.Array,
-                            implementation: str | None = None, interpret: bool | None = None,
-                            block_sizes=None) -> jax.Array:
+                            page_rows: jax.Array, picks: jax.Array) -> jax.Array:
     """CSA decode attention of one query per slot (`attention.sparse_decode_attention`)."""
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4, c4_layer, page_rows,
             picks)
-    kernel, interpret = _kernel("sparse_decode_attention", model, options, implementation,
-                                interpret)
+    kernel, choice = _kernel("sparse_decode_attention", model, geometry, options)
     if kernel is None:
         return attention.sparse_decode_attention(model, geometry, _options(options), *args)
-    return kernel(*args, rope.inv_frequencies(model, LayerKind.CSA), block_sizes=block_sizes,
-                  interpret=interpret, **_read_formats(model, geometry))
+    return kernel(*args, rope.inv_frequencies(model, LayerKind.CSA),
+                  block_sizes=choice.block_sizes, interpret=choice.interpret,
+                  **_read_formats(model, geometry))
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
                            options: Options | None = None, *, q: jax.Array, sink: jax.Array,
                            window: jax.Array, window_layer, slot_ids: jax.Array,
                            q_pos: jax.Array, kv_end: jax.Array, c128: jax.Array, c128_layer,
-                           page_rows: jax.Array, implementation: str | None = None,
-                           interpret: bool | None = None, block_sizes=None) -> jax.Array:
+                           page_rows: jax.Array) -> jax.Array:
     """HCA decode attention of one query per slot (`attention.dense_decode_attention`)."""
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)
-    kernel, interpret = _kernel("dense_decode_attention", model, options, implementation,
-                                interpret)
+    kernel, choice = _kernel("dense_decode_attention", model, geometry, options)
     if kernel is None:
         return attention.dense_decode_attention(model, geometry, _options(options), *args)
     return kernel(*args, rope.inv_frequencies(model, LayerKind.HCA), ratio=model.hca_ratio,
-                  block_sizes=block_sizes, interpret=interpret, **_read_formats(model, geometry))
+                  block_sizes=choice.block_sizes, interpret=choice.interpret,
+                  **_read_formats(model, geometry))
 
 
-def decode_attention(cache: pools.Cache, kind: LayerKind, layer, kind_layer, queries: Queries,
-                     slot_ids: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
-                     options: Options | None = None, *, implementation: str | None = None,
-                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """One layer's attention for one query per slot, read from a `Cache`.
+# --- the read door -----------------------------------------------------------------------------
+
+
+@struct.dataclass
+class WindowKeys:
+    """The window keys a chunk's queries read, as stored (`CacheConfig.window_dtype`).
+
+    Attributes:
+      ring: [B, W, sw(hd)] each row's window ring (position p at row p % W), holding every
+        position in [end - W, end) that is >= 0.
+      end: i32[B], the first position the ring does not hold.
+      chunk: [B, T, sw(hd)] the rows of positions end .. end + T - 1 (a prefill chunk's own
+        keys, encoded), or None: the ring holds every key the queries may see.
+    """
+
+    ring: jax.Array
+    end: jax.Array
+    chunk: jax.Array | None = None
+
+
+@struct.dataclass
+class Stored:
+    """What a layer reads of the Classical pool, as stored.
+
+    Attributes:
+      layer: index of the layer in its kind's stack (may be traced).
+      page_rows: i32[B, max_pages_per_seq], the rows' page-table rows (-1: no page).
+      entries: the kind's entries of every layer (C4 [n_csa, ...] for CSA, C128 [n_hca, ...]
+        for HCA; None for SWA).
+      index_keys: CSA only: the indexer keys [n_csa, ...].
+    """
+
+    layer: jax.Array
+    page_rows: jax.Array
+    entries: jax.Array | None = None
+    index_keys: jax.Array | None = None
+
+
+def make_resident(picks: jax.Array, stored: Stored) -> tuple[jax.Array, Stored]:
+    """The one place where a CSA layer's picked entries are made readable before the sparse
+    read: every entry lives in the device pool today, so the picks and the stored arrays pass
+    through unchanged. A host tier of C4 entries copies the picks that are not resident into
+    device rows here and returns the picks remapped to them."""
+    return picks, stored
+
+
+def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
+         options: Options | None, queries: Queries, *, q_pos: jax.Array, kv_end: jax.Array,
+         window: WindowKeys, stored: Stored) -> tuple[jax.Array, jax.Array | None]:
+    """One layer's attention for a chunk of queries: the only read of a layer.
 
     Args:
-      cache: a `pools.Cache` whose window ring already holds every position below kv_end.
-      kind: the layer's kind (static); layer: global layer (window ring); kind_layer: index
-        in the kind's stack.
-      queries: `Queries` with T = 1 (CSA: index_q and index_weights too).
-      slot_ids, q_pos, kv_end: i32[B]; a row whose slot id is outside [0, max_slots) must
-        have kv_end 0: it reads nothing.
+      kind: the layer's kind (static).
+      model, geometry, options: static configs.
+      queries: `Queries` [B, T, ...] of the layer (CSA: index_q and index_weights too).
+      q_pos: i32[B, T] query positions.
+      kv_end: i32[B], tokens in the sequence including this chunk; keys at or past it are
+        never read (padded queries stay finite).
+      window: the window keys (`WindowKeys`).
+      stored: the layer's stored entries (`Stored`).
 
     Returns:
-      (f32[B, 1, H, hd] de-rotated, the CSA picks i32[B, 1, k] or None).
+      (f32[B, T, H, hd] de-rotated, the CSA picks i32[B, T, k] or None). One query per row
+      whose ring holds every key (decode) runs the kernels `options` choose; a longer chunk
+      runs the reference, `options.query_tile` queries at a time.
     """
-    model, geo = cache.attn_config, cache.geometry
-    page_rows = paging.slot_rows(cache.pages, slot_ids)
-    slot_ids = jnp.clip(slot_ids, 0, geo.max_slots - 1)  # a row with kv_end 0 reads nothing
-    window = pools.window_ring(cache)
-    q, sink = queries.q[:, 0], queries.sink
-    common = dict(q=q, sink=sink, window=window, window_layer=layer, slot_ids=slot_ids,
-                  q_pos=q_pos, kv_end=kv_end, page_rows=page_rows,
-                  implementation=implementation, interpret=interpret)
-    if kind == LayerKind.SWA:
-        out = attention.attend(model, geo, _options(options), kind, layer=kind_layer,
-                               entries=None, page_rows=page_rows, q=queries.q, sink=sink,
-                               q_pos=q_pos[:, None], kv_end=kv_end,
-                               window_keys=attention.ordered_window(window[layer, slot_ids],
-                                                                    kv_end),
-                               window_base=kv_end - model.window)
-        return out, None
+    options = _options(options)
+    if kind != LayerKind.SWA and queries.q.shape[1] == 1 and window.chunk is None:
+        return _read_decode(kind, model, geometry, options, queries, q_pos[:, 0], kv_end,
+                            window, stored)
+    return _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored)
+
+
+def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window, stored):
+    """One query per row: the ops with kernels. The rows' rings are handed to them as a
+    ring of one layer whose slot b is row b."""
+    common = dict(q=queries.q[:, 0], sink=queries.sink, window=window.ring[None],
+                  window_layer=0, slot_ids=jnp.arange(q_pos.shape[0], dtype=jnp.int32),
+                  q_pos=q_pos, kv_end=kv_end, page_rows=stored.page_rows)
+    if kind == LayerKind.HCA:
+        out = dense_decode_attention(model, geometry, options, c128=stored.entries,
+                                     c128_layer=stored.layer, **common)
+        return out[:, None], None
+    picks = index_topk(model, geometry, options, index_keys=stored.index_keys,
+                       layer=stored.layer, page_rows=stored.page_rows,
+                       index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
+                       q_pos=q_pos, kv_end=kv_end)
+    picks, stored = make_resident(picks, stored)
+    out = sparse_decode_attention(model, geometry, options, c4=stored.entries,
+                                  c4_layer=stored.layer, picks=picks, **common)
+    return out[:, None], picks[:, None]
+
+
+def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base, stored):
+    """The reference read of a chunk whose window keys are `keys` [B, K, sw] at positions
+    base .. base + K - 1."""
+    picks = None
     if kind == LayerKind.CSA:
-        picks = index_topk(model, geo, options, index_keys=pools.entries(cache, "csa_index"),
-                           layer=kind_layer, page_rows=page_rows,
-                           index_q=queries.index_q[:, 0],
-                           index_weights=queries.index_weights[:, 0], q_pos=q_pos,
-                           kv_end=kv_end, implementation=implementation, interpret=interpret)
-        out = sparse_decode_attention(model, geo, options, c4=pools.entries(cache, "csa"),
-                                      c4_layer=kind_layer, picks=picks, **common)
-        return out[:, None], picks[:, None]
-    out = dense_decode_attention(model, geo, options, c128=pools.entries(cache, "hca"),
-                                 c128_layer=kind_layer, **common)
-    return out[:, None], None
+        picks = indexer.index_topk(model, geometry, options, index_keys=stored.index_keys,
+                                   layer=stored.layer, page_rows=stored.page_rows,
+                                   index_q=indexer.prepare_index_query(geometry,
+                                                                       queries.index_q),
+                                   index_weights=queries.index_weights, q_pos=q_pos,
+                                   kv_end=kv_end)
+        picks, stored = make_resident(picks, stored)
+    out = attention.attend(model, geometry, options, kind, layer=stored.layer,
+                           entries=stored.entries, page_rows=stored.page_rows, q=queries.q,
+                           sink=queries.sink, q_pos=q_pos, kv_end=kv_end, window_keys=keys,
+                           window_base=base, picks=picks)
+    return out, picks
+
+
+def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored):
+    """A chunk of queries, `options.query_tile` at a time (bounds memory, not results): each
+    tile reads the W keys before its first query and its own."""
+    W = model.window
+    keys = attention.ordered_window(window.ring, window.end)
+    if window.chunk is not None:
+        keys = jnp.concatenate([keys, window.chunk], axis=1)
+    base = window.end - W
+    tokens = queries.q.shape[1]
+    tile = min(options.query_tile, tokens)
+    n_tiles = -(-tokens // tile)
+    if n_tiles == 1:
+        return _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base,
+                           stored)
+
+    pad = n_tiles * tile - tokens
+    keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
+    tiled_q = jax.tree.map(
+        lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+            x.shape[0], n_tiles, tile, *x.shape[2:]).swapaxes(0, 1),
+        queries.replace(sink=None))
+    q_pos_t = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge").reshape(
+        -1, n_tiles, tile).swapaxes(0, 1)
+
+    def one_tile(args):
+        i, q_tile, pos_tile = args
+        tile_keys = jax.lax.dynamic_slice_in_dim(keys, i * tile, W + tile, axis=1)
+        return _read_chunk(kind, model, geometry, options, q_tile.replace(sink=queries.sink),
+                           pos_tile, kv_end, tile_keys, base + i * tile, stored)
+
+    out, picks = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
+
+    def untile(x):
+        return x.swapaxes(0, 1).reshape(x.shape[1], n_tiles * tile, *x.shape[3:])[:, :tokens]
+
+    return untile(out), None if picks is None else untile(picks)
 
 
 __all__ = [
-    "IMPLEMENTATIONS", "KernelUnavailableError", "decode_attention", "dense_decode_attention",
-    "emit_entries", "emit_entries_online", "gpu_support_problem", "index_scores",
-    "index_topk", "resolve", "selected", "sparse_decode_attention",
+    "IMPLEMENTATIONS", "KERNEL_OPS", "Choice", "KernelUnavailableError", "Stored",
+    "WindowKeys", "choose", "dense_decode_attention", "emit_entries", "emit_entries_online",
+    "index_scores", "index_topk", "kernel_module", "make_resident", "measured", "read",
+    "resolve", "sparse_decode_attention", "supported",
 ]

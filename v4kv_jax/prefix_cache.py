@@ -38,20 +38,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import pools, prefix
+from v4kv_jax import pools, prefix, programs
 from v4kv_jax.config import CacheConfig
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
 
 RESTORES = ("none", "snapshot", "snapshot+replay", "replay", "recompute")
 
-_attach = jax.jit(pools.attach_prefix, donate_argnums=0)
-_restore = jax.jit(pools.restore_state, donate_argnums=0)
-_snapshot = jax.jit(pools.snapshot_state)
-_hold = jax.jit(pools.hold_pages, donate_argnums=0)
-_drop = jax.jit(pools.drop_pages, donate_argnums=0)
-_read_pages = jax.jit(pools.read_pages)
-_load_pages = jax.jit(pools.load_pages, donate_argnums=0)
+_attach = programs.program("transfers.attach", pools.attach_prefix, donate=("cache",))
+_restore = programs.program("transfers.restore", pools.restore_state, donate=("cache",))
+_snapshot = programs.program("transfers.snapshot", pools.snapshot_state)
+_hold = programs.program("transfers.hold", pools.hold_pages, donate=("cache",))
+_drop = programs.program("transfers.drop", pools.drop_pages, donate=("cache",))
+_read_pages = programs.program("transfers.read_pages", pools.read_pages)
+_load_pages = programs.program("transfers.load_pages", pools.load_pages, donate=("cache",))
 
 
 class CacheHolder(Protocol):
@@ -168,8 +168,8 @@ class PrefixCache:
         loaded_pages = depth - memory
         need = reserved + pages_needed - depth + loaded_pages
         keep = frozenset(digests[:min(depth, memory)])
-        refcount = np.asarray(self._cache.pages.refcount)
-        free = int(self._cache.pages.num_free)
+        refcount = np.asarray(pools.refcounts(self._cache))
+        free = int(pools.free_pages(self._cache))
         if free + self.index.evictable(refcount, keep) < need:
             return self.plan(digests, pages_needed, reserved, disk=False) if loaded_pages \
                 else None
@@ -284,7 +284,7 @@ class PrefixCache:
     # --- eviction, clearing, flushing -------------------------------------------------------------
 
     def _evict(self, n_pages: int, keep: frozenset) -> None:
-        refcount = np.asarray(self._cache.pages.refcount)
+        refcount = np.asarray(pools.refcounts(self._cache))
         dropped = self.index.evict(n_pages, refcount, keep)
         if dropped:
             self.stats["pages_evicted"] += sum(1 for p in dropped if refcount[p] == 1)

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import append, attention, checks, indexer, ops, pools
+from v4kv_jax import append, checks, ops, pools, programs
 from v4kv_jax import vectors as vec
-from v4kv_jax.append import AppendPlan, page_rows, read_slots
+from v4kv_jax.append import AppendPlan, read_slots
 from v4kv_jax.config import LayerKind, Options
 from v4kv_jax.config import options_or_default as _options
 from v4kv_jax.layout import specs_of
@@ -30,29 +30,15 @@ from v4kv_jax.pools import Cache, SlotStatus
 from v4kv_jax.vectors import CompressorWeights, LayerRef, Queries, TokenVectors
 
 
-def _attend_chunk(cache: Cache, ref: LayerRef, rows: jax.Array, queries: Queries,
-                  q_pos: jax.Array, kv_end: jax.Array, window_keys: jax.Array,
-                  window_base: jax.Array, options: Options
-                  ) -> tuple[jax.Array, jax.Array | None]:
-    """(attention [B, T, H, hd], CSA picks [B, T, k] or None) of a chunk's queries (prefill:
-    the reference; there are no prefill kernels)."""
-    model, geo = cache.attn_config, cache.geometry
-    entries = picks = None
+def stored(cache: Cache, ref: LayerRef, rows: jax.Array) -> ops.Stored:
+    """What layer `ref` reads of the Classical pool (`ops.Stored`), for page-table rows
+    `rows` i32[B, max_pages_per_seq]."""
     if ref.kind == LayerKind.CSA:
-        entries = pools.entries(cache, "csa")
-        picks = indexer.index_topk(model, geo, options,
-                                   index_keys=pools.entries(cache, "csa_index"),
-                                   layer=ref.kind_layer, page_rows=rows,
-                                   index_q=indexer.prepare_index_query(geo, queries.index_q),
-                                   index_weights=queries.index_weights, q_pos=q_pos,
-                                   kv_end=kv_end)
-    elif ref.kind == LayerKind.HCA:
-        entries = pools.entries(cache, "hca")
-    out = attention.attend(model, geo, options, ref.kind, layer=ref.kind_layer,
-                           entries=entries, page_rows=rows, q=queries.q, sink=queries.sink,
-                           q_pos=q_pos, kv_end=kv_end, window_keys=window_keys,
-                           window_base=window_base, picks=picks)
-    return out, picks
+        return ops.Stored(ref.kind_layer, rows, pools.entries(cache, "csa"),
+                          pools.entries(cache, "csa_index"))
+    if ref.kind == LayerKind.HCA:
+        return ops.Stored(ref.kind_layer, rows, pools.entries(cache, "hca"))
+    return ops.Stored(ref.kind_layer, rows)
 
 
 def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
@@ -108,11 +94,11 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
     model = cache.attn_config
     _check_layer_inputs(cache, plan, ref, vectors, queries, params)
     tokens = vectors.window.shape[1]
-    W = model.window
+    slots = read_slots(cache, plan.slot_ids)
     new_window = vectors.window
     if tokens > 1:
         # Prefill attends over the window as it was before the chunk: read it first.
-        old_ring = pools.window_ring(cache)[ref.layer, read_slots(cache, plan.slot_ids)]
+        old_ring = pools.window_ring(cache)[ref.layer, slots]
         new_window = append.after(new_window, old_ring)
     cache = append.write_window(cache, plan, ref.layer[None], new_window[None])
     per_kind = {"csa": (vectors.compressor, params.compressor),
@@ -126,46 +112,16 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
 
     if tokens == 1:
         # Decode: the ring and the pools now hold the new token; read them like any decode.
-        out, picks = ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries,
-                                          plan.slot_ids, plan.end - 1, plan.end, options)
-        return (cache, out, picks) if with_picks else (cache, out)
-
-    rows = page_rows(cache, plan.slot_ids)
-    extended = jnp.concatenate(
-        [attention.ordered_window(old_ring, plan.start),
-         pools.codec(cache, "window").encode(vectors.window)], axis=1)
-    q_pos = plan.positions(tokens)
-    tile = min(options.query_tile, tokens)
-    n_tiles = -(-tokens // tile)
-    if n_tiles == 1:
-        out, picks = _attend_chunk(cache, ref, rows, queries, q_pos, plan.end, extended,
-                                   plan.start - W, options)
-        return (cache, out, picks) if with_picks else (cache, out)
-
-    pad = n_tiles * tile - tokens
-    extended = jnp.pad(extended, ((0, 0), (0, pad), (0, 0)))
-    tiled_q = jax.tree.map(
-        lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
-            x.shape[0], n_tiles, tile, *x.shape[2:]).swapaxes(0, 1),
-        queries.replace(sink=None))
-    q_pos_t = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge").reshape(
-        -1, n_tiles, tile).swapaxes(0, 1)
-
-    def one_tile(args):
-        i, q_tile, pos_tile = args
-        keys = jax.lax.dynamic_slice_in_dim(extended, i * tile, W + tile, axis=1)
-        return _attend_chunk(cache, ref, rows, q_tile.replace(sink=queries.sink), pos_tile,
-                             plan.end, keys, plan.start - W + i * tile, options)
-
-    out, picks = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
-
-    def untile(x):
-        return x.swapaxes(0, 1).reshape(x.shape[1], n_tiles * tile, *x.shape[3:])[:, :tokens]
-
-    out = untile(out)
-    if not with_picks:
-        return cache, out
-    return cache, out, None if picks is None else untile(picks)
+        window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], plan.end)
+        q_pos = (plan.end - 1)[:, None]
+    else:
+        window = ops.WindowKeys(old_ring, plan.start,
+                                pools.codec(cache, "window").encode(vectors.window))
+        q_pos = plan.positions(tokens)
+    out, picks = ops.read(ref.kind, model, cache.geometry, options, queries, q_pos=q_pos,
+                          kv_end=plan.end, window=window,
+                          stored=stored(cache, ref, pools.page_rows(cache, plan.slot_ids)))
+    return (cache, out, picks) if with_picks else (cache, out)
 
 
 def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
@@ -186,10 +142,12 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     check_queries(cache, ref, queries, slot_ids.shape[0], 1)
     inside = (slot_ids >= 0) & (slot_ids < S)
-    ids = jnp.where(inside, slot_ids, S)
-    length = jnp.where(inside, pools.lengths(cache)[read_slots(cache, ids)], 0)
-    out, _ = ops.decode_attention(cache, ref.kind, ref.layer, ref.kind_layer, queries, ids,
-                                  length - 1, length, _options(options))
+    slots = read_slots(cache, slot_ids)
+    length = jnp.where(inside, pools.lengths(cache)[slots], 0)  # a row outside reads nothing
+    window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], length)
+    out, _ = ops.read(ref.kind, cache.attn_config, cache.geometry, options, queries,
+                      q_pos=(length - 1)[:, None], kv_end=length, window=window,
+                      stored=stored(cache, ref, pools.page_rows(cache, slot_ids)))
     return out
 
 
@@ -377,12 +335,6 @@ def _append_attend_all(cache: Cache, vectors: TokenVectors, queries: Queries,
     return append.end_append(cache, plan), out
 
 
-def jitted(fn):
-    """`fn(cache, ..., options)` jitted with the cache donated and the options static: the
-    one way the entry points below are compiled."""
-    return jax.jit(fn, donate_argnums=0, static_argnames=("options",))
-
-
 def _replay_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
                 slot_ids: jax.Array, start: jax.Array, n_new: jax.Array,
                 options: Options) -> Cache:
@@ -390,9 +342,12 @@ def _replay_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
     return append.append_layers(cache, plan, vectors, weights, options)
 
 
-_append_all_jit = jitted(_append_all)
-_append_attend_all_jit = jitted(_append_attend_all)
-_replay_all_jit = jitted(_replay_all)
+_append_all_jit = programs.program("step.prefill", _append_all, donate=("cache",),
+                                   static=("options",))
+_append_attend_all_jit = programs.program("step.append_and_attend", _append_attend_all,
+                                          donate=("cache",), static=("options",))
+_replay_all_jit = programs.program("step.replay", _replay_all, donate=("cache",),
+                                   static=("options",))
 
 
 def append_and_attend(cache: Cache, vectors: TokenVectors, queries: Queries,
@@ -492,5 +447,5 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
 __all__ = [
     "append_and_attend", "check_queries", "check_vectors", "check_weights", "decode_attention",
     "chunk_length", "decode_attention_all",
-    "decode_step", "jitted", "layer_step", "layers_step", "prefill", "replay",
+    "decode_step", "layer_step", "layers_step", "prefill", "replay", "stored",
 ]

@@ -33,14 +33,20 @@ from pallas_kernels import formats
 from pallas_kernels.common import (
     check_power_of_two,
     lane_frequencies,
+    power_of_two_problem,
     rotate_lanes,
     triton_compiler_params,
 )
 from pallas_kernels.compressor.blocks import BlockSizes
 from pallas_kernels.compressor.pooling import online_step, softmax_pool
 
-# Packed pool formats this kernel encodes itself (`formats.encode_gpu`).
-WRITES_PACKED = ("fp8_latent", "fp4_index")
+
+def supported(model, geometry) -> str | None:
+    """Why these GPU kernels cannot run a config, or None. The row widths and the tokens
+    pooled into one entry (ratio, or 2 * ratio with the overlap) are Triton tensor sizes."""
+    return power_of_two_problem(head_dim=model.head_dim, index_head_dim=model.index_head_dim,
+                                csa_ratio=model.csa_ratio, hca_ratio=model.hca_ratio)
+
 
 # Tiles of [blocks, slots, 32 channels] with blocks * slots <= 128 (4K values per gather).
 DEFAULT_BLOCK_SIZES = BlockSizes(blocks_per_step=64, slot_rows_per_step=128, channels_per_step=32)

@@ -22,8 +22,16 @@ from pallas_kernels.common import (
     check_power_of_two,
     lane_frequencies,
     layer_index,
+    power_of_two_problem,
 )
 from pallas_kernels.dense_attention.blocks import BlockSizes
+
+
+def supported(model, geometry) -> str | None:
+    """Why this GPU kernel cannot run a config, or None: a key row and the window are Triton
+    tensors."""
+    return power_of_two_problem(head_dim=model.head_dim, window=model.window)
+
 
 # Triton keeps tiles in registers: 32 entries of hd = 512 per tile; 8 splits keep enough
 # programs in flight for a few slots at long context.

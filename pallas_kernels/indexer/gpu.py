@@ -25,10 +25,17 @@ from pallas_kernels.common import (
     check_power_of_two,
     layer_index,
     next_power_of_two,
+    power_of_two_problem,
     triton_compiler_params,
 )
 from pallas_kernels.gpu_split_k import row_loader
 from pallas_kernels.indexer.blocks import BlockSizes
+
+
+def supported(model, geometry) -> str | None:
+    """Why this GPU kernel cannot run a config, or None: a key row is a Triton tensor."""
+    return power_of_two_problem(index_head_dim=model.index_head_dim)
+
 
 # One program scores 128 keys: a [nI, 128] score tile stays in registers.
 DEFAULT_BLOCK_SIZES = BlockSizes(entries_per_block=128)

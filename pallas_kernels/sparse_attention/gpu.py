@@ -26,9 +26,17 @@ from pallas_kernels.common import (
     check_power_of_two,
     lane_frequencies,
     layer_index,
+    power_of_two_problem,
     present_picks,
 )
 from pallas_kernels.sparse_attention.blocks import BlockSizes
+
+
+def supported(model, geometry) -> str | None:
+    """Why this GPU kernel cannot run a config, or None: a key row and the window are Triton
+    tensors."""
+    return power_of_two_problem(head_dim=model.head_dim, window=model.window)
+
 
 # Triton keeps tiles in registers: 32 rows of hd = 512 per tile; 4 splits of the k picks.
 DEFAULT_BLOCK_SIZES = BlockSizes(picks_per_block=32, heads_per_block=16, num_splits=4)

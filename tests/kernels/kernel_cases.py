@@ -23,6 +23,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 DEVICE = os.environ.get("V4KV_KERNEL_DEVICE", "")
 IMPLEMENTATIONS = (f"pallas_{DEVICE}",) if DEVICE else ("pallas_tpu", "pallas_gpu")
 INTERPRET = not DEVICE
+REFERENCE = v4.Options(implementation="reference")
+
+
+def kernel_options(implementation: str, op: str | None = None, block_sizes=None) -> v4.Options:
+    """Options that run `implementation` (interpret mode unless on the device), with
+    `block_sizes` for `op`."""
+    return v4.Options(implementation=implementation,
+                      interpret=INTERPRET and implementation != "reference",
+                      block_sizes={op: block_sizes} if block_sizes is not None else {})
 LONG = 3001  # "a few thousand": 750 C4 entries, 187 C128 entries (m' = 16)
 
 # (page tokens, storage dtype, query heads): both page sizes with both dtypes, three head counts

@@ -15,7 +15,9 @@ from kernel_cases import (
     INTERPRET,
     LONG,
     PACKED_PAGE_TOKENS,
+    REFERENCE,
     STORED_TOLERANCE,
+    kernel_options,
     model_for,
     packed_model,
     random_cache,
@@ -75,7 +77,7 @@ def case(request):
             slot_ids=common["slot_ids"], kv=x["kv"], gate=x["gate"], start=common["start"],
             n_new=common["n_new"], norm=x["norm"], **kw))
 
-    want = [emit(x, implementation="reference") for x in specs]
+    want = [emit(x, options=REFERENCE) for x in specs]
     return types.SimpleNamespace(specs=specs, emit=emit, want=want, dtype=dtype, mode=mode)
 
 
@@ -84,8 +86,8 @@ def test_emitted_entries_match_reference(case, implementation):
     written = 0
     for x, want in zip(case.specs, case.want, strict=True):
         name = x["spec"].name
-        got = case.emit(x, implementation=implementation, interpret=INTERPRET,
-                        block_sizes=BlockSizes(blocks_per_step=4, channels_per_step=8))
+        got = case.emit(x, options=kernel_options(
+            implementation, "emit_entries", BlockSizes(blocks_per_step=4, channels_per_step=8)))
         before = np.asarray(x["pool"])
         rows = _changed(want, before).any(-1)
         np.testing.assert_array_equal(_changed(got, before).any(-1), rows,
@@ -138,7 +140,7 @@ def packed_case():
                                                                     "pool": jnp.copy(x["pool"])},
                                            **kw))
 
-    want = [emit(spec, x, implementation="reference") for spec, x in runs]
+    want = [emit(spec, x, options=REFERENCE) for spec, x in runs]
     return types.SimpleNamespace(model=model, geometry=geometry, runs=runs, emit=emit,
                                  want=want)
 
@@ -153,8 +155,8 @@ def test_emitted_entries_are_encoded_like_the_reference(packed_case, implementat
     c = packed_case
     for (spec, x), want in zip(c.runs, c.want, strict=True):
         codec = storage.codec(c.model, c.geometry, spec.name)
-        got = c.emit(spec, x, implementation=implementation, interpret=INTERPRET,
-                     block_sizes=BlockSizes(blocks_per_step=4))
+        got = c.emit(spec, x, options=kernel_options(implementation, "emit_entries",
+                                                      BlockSizes(blocks_per_step=4)))
         before = np.asarray(x["pool"])
         rows = (want != before).any(-1)
         assert rows.sum() >= 10, spec.name
@@ -203,7 +205,7 @@ def _online_case(fmt: str):
         None: state only)."""
         start, tails = jnp.asarray(starts, jnp.int32), []
         emit = jax.jit(functools.partial(ops.emit_entries_online, spec, model, geometry,
-                                         implementation=implementation, interpret=INTERPRET))
+                                         kernel_options(implementation)))
         for n_new, kv, gate in inputs[:steps]:
             pool, tail = emit(pool=pool, page_rows=cache.pages.page_table[:5], layers=layers,
                               tail=tail, slot_ids=jnp.asarray([0, 1, 2, 3, 5]), kv=kv,

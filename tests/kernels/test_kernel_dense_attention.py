@@ -13,9 +13,11 @@ from kernel_cases import (
     IMPLEMENTATIONS,
     INTERPRET,
     PACKED_PAGE_TOKENS,
+    REFERENCE,
     assert_close,
     decode_positions,
     kernel_function,
+    kernel_options,
     lengths_for,
     model_for,
     packed_cache,
@@ -48,14 +50,14 @@ def case(request):
             c128_layer=model.kind_index(layer), page_rows=cache.pages.page_table[:batch],
             **kw))
 
-    return types.SimpleNamespace(run=run, dtype=dtype, want=run(implementation="reference"))
+    return types.SimpleNamespace(run=run, dtype=dtype, want=run(options=REFERENCE))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_dense_decode_attention_matches_reference(case, implementation):
     # 16 entries per block: the 3001-token row folds 12 blocks (TPU: 1-2 pages each).
-    got = case.run(implementation=implementation, interpret=INTERPRET,
-                   block_sizes=BlockSizes(entries_per_block=16, num_splits=3))
+    got = case.run(options=kernel_options(implementation, "dense_decode_attention",
+                                          BlockSizes(entries_per_block=16, num_splits=3)))
     assert np.isfinite(got).all()
     assert_close(got, case.want, case.dtype)
 
@@ -76,7 +78,7 @@ def packed_case():
                 window_layer=layer, slot_ids=jnp.arange(batch), q_pos=q_pos, kv_end=kv_end,
                 c128_layer=model.kind_index(layer), page_rows=cache.pages.page_table[:batch])
     want = ops.dense_decode_attention(model, cache.geometry, c128=decoded["hca"],
-                                      implementation="reference", **args)
+                                      options=REFERENCE, **args)
     return types.SimpleNamespace(model=model, args=args, packed=packed, want=np.asarray(want))
 
 

@@ -4,6 +4,7 @@ running the kernels (interpret mode) with the results of the reference."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import jax
@@ -12,7 +13,9 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
+from pallas_kernels.indexer import BlockSizes as IndexerBlocks
 from v4kv_jax import ops, pools, step
+from v4kv_jax.config import KERNEL_OPS
 from v4kv_jax.testing import synthetic
 
 MODEL = v4.tiny(index_heads=16)
@@ -26,8 +29,41 @@ def test_auto_picks_pallas_on_tpu_and_gpu_and_the_reference_on_cpu():
     assert ops.resolve("auto", backend="tpu") == "pallas_tpu"
     assert ops.resolve("auto", backend="gpu") == "pallas_gpu"
     assert DEFAULT.implementation == "auto"
-    if jax.default_backend() == "cpu":
-        assert ops.selected(MODEL, DEFAULT) == ("reference", False)
+    for op in KERNEL_OPS:
+        assert ops.choose(op, MODEL, GEOMETRY, DEFAULT, backend="cpu") == ops.Choice(
+            "reference", False, None, "auto on cpu")
+        assert ops.choose(op, MODEL, GEOMETRY, DEFAULT, backend="tpu").implementation == (
+            "pallas_tpu")
+
+
+def test_auto_on_gpu_follows_the_measured_table(monkeypatch):
+    """The committed H200 rows say the reference for the three read ops; the compressor has
+    no row and runs its kernel; a row where the kernel was faster picks the kernel."""
+    for op in ("index_scores", "sparse_decode_attention", "dense_decode_attention"):
+        choice = ops.choose(op, MODEL, GEOMETRY, DEFAULT, backend="gpu")
+        assert choice.implementation == "reference", op
+        assert "measured faster on NVIDIA H200" in choice.why
+    for op in ("emit_entries", "emit_entries_online"):
+        assert ops.choose(op, MODEL, GEOMETRY, DEFAULT, backend="gpu").implementation == (
+            "pallas_gpu")
+    assert ops.choose("index_scores", MODEL, GEOMETRY, v4.Options(
+        implementation="pallas_gpu", interpret=True), backend="gpu").implementation == (
+            "pallas_gpu")  # a forced implementation ignores the table
+    faster_kernel = dict(ops.measured())
+    row = faster_kernel[("gpu", "index_scores")]
+    faster_kernel[("gpu", "index_scores")] = {**row, "kernel_ms": row["reference_ms"] / 2}
+    monkeypatch.setattr(ops, "measured", lambda: faster_kernel)
+    assert ops.choose("index_scores", MODEL, GEOMETRY, DEFAULT, backend="gpu").implementation == (
+        "pallas_gpu")
+
+
+def test_the_measured_table_has_one_row_per_platform_and_op():
+    with open(ops.MEASURED_PATH) as f:
+        rows = json.load(f)["measurements"]
+    assert len({(r["platform"], r["op"]) for r in rows}) == len(rows) == len(ops.measured())
+    for row in rows:
+        assert row["platform"] in ("tpu", "gpu") and row["op"] in KERNEL_OPS, row
+        assert row["reference_ms"] > 0 and row["kernel_ms"] > 0, row
 
 
 def test_forced_implementation_on_the_wrong_backend_raises():
@@ -43,17 +79,18 @@ def test_forced_implementation_on_the_wrong_backend_raises():
     if jax.default_backend() == "cpu":  # the same error from an op and from the options
         cache = v4.init_cache(MODEL, GEOMETRY)
         with pytest.raises(ops.KernelUnavailableError, match="needs a GPU backend"):
-            ops.selected(MODEL, v4.Options(implementation="pallas_gpu"))
+            ops.choose("index_scores", MODEL, GEOMETRY, v4.Options(implementation="pallas_gpu"))
         with pytest.raises(ops.KernelUnavailableError, match="needs a TPU backend"):
             ops.dense_decode_attention(
-                MODEL, GEOMETRY, q=jnp.zeros((1, 4, 32)), sink=jnp.zeros(4),
+                MODEL, GEOMETRY, v4.Options(implementation="pallas_tpu"),
+                q=jnp.zeros((1, 4, 32)), sink=jnp.zeros(4),
                 window=pools.window_ring(cache), window_layer=2,
                 slot_ids=jnp.zeros(1, jnp.int32), q_pos=jnp.zeros(1, jnp.int32),
                 kv_end=jnp.ones(1, jnp.int32), c128=pools.entries(cache, "hca"), c128_layer=0,
-                page_rows=cache.pages.page_table[:1], implementation="pallas_tpu")
+                page_rows=cache.pages.page_table[:1])
 
 
-def test_unknown_implementations_are_rejected_by_name():
+def test_unknown_implementations_ops_and_block_sizes_are_rejected_by_name():
     with pytest.raises(ValueError, match=r"implementation: expected one of \('auto', "
                                          r"'reference', 'pallas_tpu', 'pallas_gpu'\); got "
                                          r"'triton'"):
@@ -62,17 +99,44 @@ def test_unknown_implementations_are_rejected_by_name():
         v4.Options(implementation="xla")
     with pytest.raises(TypeError, match=r"interpret: expected a bool; got 'yes'"):
         v4.Options(interpret="yes")
+    with pytest.raises(ValueError, match=r"op: expected one of \('emit_entries'.*got 'topk'"):
+        ops.choose("topk", MODEL, GEOMETRY)
+    with pytest.raises(ValueError, match=r"block_sizes key: expected one of .*got 'indexer'"):
+        v4.Options(block_sizes={"indexer": IndexerBlocks()})
+    with pytest.raises(TypeError, match=r"block_sizes\['index_scores'\]: expected a "
+                                        r"BlockSizes instance; got 64"):
+        v4.Options(block_sizes={"index_scores": 64})
+    with pytest.raises(TypeError, match=r"block_sizes: expected a mapping"):
+        v4.Options(block_sizes=[IndexerBlocks()])
 
 
-def test_gpu_kernels_need_power_of_two_widths():
+def test_block_sizes_are_options_per_op():
+    blocks = IndexerBlocks(entries_per_block=64)
+    options = v4.Options(implementation="pallas_tpu", interpret=True,
+                         block_sizes={"index_scores": blocks})
+    assert options == v4.Options(implementation="pallas_tpu", interpret=True,
+                                 block_sizes=(("index_scores", blocks),))
+    hash(options)  # static under jit
+    assert ops.choose("index_scores", MODEL, GEOMETRY, options).block_sizes == blocks
+    assert ops.choose("sparse_decode_attention", MODEL, GEOMETRY, options).block_sizes is None
+
+
+def test_each_kernel_says_which_configs_it_runs():
     odd = v4.tiny(window=24)
-    assert ops.gpu_support_problem(MODEL) is None
-    assert ops.gpu_support_problem(odd) == (
-        "window=24 is not a power of two (needed by the GPU kernels)")
-    assert ops.selected(odd, DEFAULT, backend="gpu") == ("reference", False)
-    assert ops.selected(MODEL, DEFAULT, backend="gpu") == ("pallas_gpu", False)
-    with pytest.raises(ValueError, match="'pallas_gpu' cannot run this config: window=24"):
-        ops.selected(odd, DEFAULT, implementation="pallas_gpu", interpret=True)
+    for op in KERNEL_OPS:
+        for impl in ("pallas_tpu", "pallas_gpu"):
+            assert ops.supported(op, impl, MODEL, GEOMETRY) is None, (op, impl)
+        assert ops.supported(op, "pallas_tpu", odd, GEOMETRY) is None
+    problem = "window=24 is not a power of two (needed by the GPU kernels)"
+    assert ops.supported("dense_decode_attention", "pallas_gpu", odd, GEOMETRY) == problem
+    assert ops.supported("index_scores", "pallas_gpu", odd, GEOMETRY) is None
+    choice = ops.choose("emit_entries", v4.tiny(head_dim=48), GEOMETRY, DEFAULT, backend="gpu")
+    assert choice.implementation == "reference"
+    assert "head_dim=48 is not a power of two" in choice.why
+    with pytest.raises(ValueError, match="implementation='pallas_gpu' cannot run "
+                                         "sparse_decode_attention for this config: window=24"):
+        ops.choose("sparse_decode_attention", odd, GEOMETRY,
+                   v4.Options(implementation="pallas_gpu", interpret=True))
 
 
 def _kernel_names(jaxpr) -> set[str]:

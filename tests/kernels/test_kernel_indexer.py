@@ -12,9 +12,11 @@ from kernel_cases import (
     IMPLEMENTATIONS,
     INTERPRET,
     PACKED_PAGE_TOKENS,
+    REFERENCE,
     assert_close,
     decode_positions,
     kernel_function,
+    kernel_options,
     lengths_for,
     model_for,
     packed_cache,
@@ -45,14 +47,14 @@ def case(request):
     return types.SimpleNamespace(
         args=args, arrays=arrays, model=model, lengths=lengths,
         visible=np.minimum(q_pos + 1, kv_end) // 4,
-        scores=np.asarray(ops.index_scores(*args, **arrays, implementation="reference")),
-        picks=np.asarray(ops.index_topk(*args, **arrays, implementation="reference")))
+        scores=np.asarray(ops.index_scores(*args, **arrays, options=REFERENCE)),
+        picks=np.asarray(ops.index_topk(*args, **arrays, options=REFERENCE)))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_index_scores_and_picks_match_reference(case, implementation):
-    kernel = dict(implementation=implementation, interpret=INTERPRET,
-                  block_sizes=BlockSizes(entries_per_block=64))
+    kernel = dict(options=kernel_options(implementation, "index_scores",
+                                         BlockSizes(entries_per_block=64)))
     got = np.asarray(ops.index_scores(*case.args, **case.arrays, **kernel))
     want = case.scores
     width = min(want.shape[1], got.shape[1])
@@ -90,7 +92,7 @@ def packed_case():
                 index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
                 q_pos=q_pos, kv_end=kv_end)
     want = ops.index_scores(model, cache.geometry, index_keys=decoded["csa_index"],
-                            implementation="reference", **args)
+                            options=REFERENCE, **args)
     return types.SimpleNamespace(model=model, args=args, packed=packed, want=np.asarray(want),
                                  visible=np.minimum(q_pos + 1, kv_end) // 4)
 

@@ -13,9 +13,11 @@ from kernel_cases import (
     IMPLEMENTATIONS,
     INTERPRET,
     PACKED_PAGE_TOKENS,
+    REFERENCE,
     assert_close,
     decode_positions,
     kernel_function,
+    kernel_options,
     lengths_for,
     model_for,
     packed_cache,
@@ -44,7 +46,7 @@ def case(request):
     picks = ops.index_topk(model, cache.geometry, index_keys=pools.entries(cache, "csa_index"),
                            layer=kind_layer, page_rows=rows, index_q=queries.index_q[:, 0],
                            index_weights=queries.index_weights[:, 0], q_pos=q_pos,
-                           kv_end=kv_end, implementation="reference")
+                           kv_end=kv_end, options=REFERENCE)
     # Holes before valid picks: every -1 must be skipped, not only a trailing run.
     picks = picks.at[:, 1::5].set(-1)
     assert int(jnp.sum(picks >= 0)) > 100
@@ -56,14 +58,14 @@ def case(request):
             q_pos=q_pos, kv_end=kv_end, c4=pools.entries(cache, "csa"), c4_layer=kind_layer,
             page_rows=rows, picks=picks, **kw))
 
-    return types.SimpleNamespace(run=run, dtype=dtype, want=run(implementation="reference"))
+    return types.SimpleNamespace(run=run, dtype=dtype, want=run(options=REFERENCE))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_sparse_decode_attention_matches_reference(case, implementation):
     # 16 picks per block: 48 picks span three blocks (double buffering, GPU splits).
-    got = case.run(implementation=implementation, interpret=INTERPRET,
-                   block_sizes=BlockSizes(picks_per_block=16, num_splits=2))
+    got = case.run(options=kernel_options(implementation, "sparse_decode_attention",
+                                          BlockSizes(picks_per_block=16, num_splits=2)))
     assert np.isfinite(got).all()
     assert np.abs(case.want[0]).max() == 0.0  # length 0: nothing visible, the sink alone
     assert_close(got, case.want, case.dtype)
@@ -85,12 +87,12 @@ def packed_case():
     picks = ops.index_topk(model, cache.geometry, index_keys=pools.entries(cache, "csa_index"),
                            layer=kind_layer, page_rows=rows, index_q=queries.index_q[:, 0],
                            index_weights=queries.index_weights[:, 0], q_pos=q_pos,
-                           kv_end=kv_end, implementation="reference")
+                           kv_end=kv_end, options=REFERENCE)
     args = dict(q=queries.q[:, 0], sink=queries.sink, window_layer=layer,
                 slot_ids=jnp.arange(batch), q_pos=q_pos, kv_end=kv_end, c4_layer=kind_layer,
                 page_rows=rows, picks=picks.at[:, 1::5].set(-1))
     want = ops.sparse_decode_attention(model, cache.geometry, window=decoded["window"],
-                                       c4=decoded["csa"], implementation="reference", **args)
+                                       c4=decoded["csa"], options=REFERENCE, **args)
     return types.SimpleNamespace(model=model, args=args, packed=packed, want=np.asarray(want))
 
 

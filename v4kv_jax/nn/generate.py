@@ -7,10 +7,11 @@ settings (batch = `max_slots`, prompt buffer `max_prompt_len`, `prefill_chunk`,
 `max_new_tokens`), so every prompt length and every batch of up to `max_slots` prompts runs
 the same compiled program.
 
-The Generator is a client of the host lifecycle (`v4kv_jax.manager.SlotTable`): before each
-batch it releases the previous batch's requests and admits the prompts (request b = prompt
-b); the program runs on those slots (rows without a prompt are padding rows, slot id -1), and
-after it the table turns any slot flag into the manager's exception.
+The Generator is a `ModelCache`, the host lifecycle (`v4kv_jax.manager.SlotCache`) of a
+model, as the Engine is: before each batch it releases the previous batch's requests and
+admits the prompts (request b = prompt b); the program runs on those slots (rows without a
+prompt are padding rows, slot id -1), and after it the table turns any slot flag into the
+manager's exception. `sample` is the one sampling rule of both.
 
 The model is split once (`nnx.split`); its params and the cache are arguments of the jitted
 function, the cache donated, so the step updates the pools in place.
@@ -32,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v4kv_jax import checks, pools
+from v4kv_jax import checks, programs
 from v4kv_jax.config import CacheConfig, Options, options_or_default
-from v4kv_jax.manager import SlotTable
+from v4kv_jax.manager import SlotCache
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache
 
@@ -107,7 +108,25 @@ class GenerationResult:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
 
 
-class Generator:
+class ModelCache(SlotCache):
+    """A `SlotCache` of a `Decoder`, the base of the Generator and the Engine: the model is
+    split once (`graphdef`, `params`; later changes to the module are not seen).
+
+    Args:
+      model: the decoder.
+      geometry: the cache geometry.
+      options: how the ops run (`v4kv_jax.Options`; default: "auto").
+    """
+
+    def __init__(self, model: Decoder, geometry: CacheConfig, options: Options | None = None):
+        if not isinstance(model, Decoder):
+            checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
+        super().__init__(model.config.attn_config, geometry, options)
+        self.config: ModelConfig = model.config
+        self.graphdef, self.params = nnx.split(model)
+
+
+class Generator(ModelCache):
     """Generates from a `Decoder` with its own cache of `geometry.max_slots` slots.
 
     Each instance jits its own program and counts its traces (`traces`; one trace is one
@@ -128,10 +147,7 @@ class Generator:
     def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
                  max_new_tokens: int, prefill_chunk: int = 128,
                  options: Options | None = None):
-        if not isinstance(model, Decoder):
-            checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
-        if not isinstance(geometry, CacheConfig):
-            checks.fail("geometry", "a CacheConfig", type(geometry).__name__, TypeError)
+        super().__init__(model, geometry, options)
         max_prompt_len = checks.integer("max_prompt_len", max_prompt_len, lo=1)
         max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
         prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
@@ -139,30 +155,20 @@ class Generator:
         if need > geometry.max_seq_len:
             raise ValueError(f"max_prompt_len + max_new_tokens = {need} exceeds the cache's "
                              f"max_seq_len={geometry.max_seq_len}")
-        self.config = model.config
-        self.graphdef, self.params = nnx.split(model)
-        self.cache = pools.init_cache(model.config.attn_config, geometry)
-        self.table = SlotTable(geometry.max_slots)
         self.max_new_tokens = max_new_tokens
         self.prefill_chunk = min(prefill_chunk, max_prompt_len)
         self.buffer = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
         self.max_prompt_len = max_prompt_len
-        self.options = options_or_default(options)
-        self._traces = [0]
-        self._program = jax.jit(
-            functools.partial(_count_trace, self._traces, _generate, self.graphdef,
-                              self.max_new_tokens, self.prefill_chunk, self.options),
-            donate_argnums=1)
+        self._program = programs.program(
+            "generator", functools.partial(_generate, self.graphdef, self.max_new_tokens,
+                                           self.prefill_chunk, self.options),
+            donate=("cache",), register=False)
         Generator._live.add(self)
-
-    @property
-    def geometry(self) -> CacheConfig:
-        return self.cache.geometry
 
     @property
     def traces(self) -> int:
         """How many programs this generator has traced and compiled."""
-        return self._traces[0]
+        return self._program.traces
 
     @classmethod
     def compiled_programs(cls) -> int:
@@ -226,22 +232,14 @@ class Generator:
         out = np.asarray(out)[:len(prompts)]
         return GenerationResult(tokens=out, lengths=np.sum(out >= 0, axis=1).astype(np.int32))
 
-    def memory_report(self) -> pools.MemoryReport:
-        return pools.memory_report(self.cache)
 
-
-def _count_trace(counter: list[int], fn, *args):
-    """fn(*args), counting in counter[0] how often it runs: inside `jax.jit` the Python body
-    runs only while the function is traced, once per compiled program."""
-    counter[0] += 1
-    return fn(*args)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "options"),
-                   donate_argnames=("cache",))
-def _forward(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
-             n_new: jax.Array, options: Options) -> tuple[Cache, jax.Array]:
+def _forward_body(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
+                  n_new: jax.Array, options: Options) -> tuple[Cache, jax.Array]:
     return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new, options=options)
+
+
+_forward = programs.program("nn.forward", _forward_body, donate=("cache",),
+                            static=("graphdef", "options"))
 
 
 def forward(graphdef, params, cache: Cache, tokens, slot_ids, n_new, *,

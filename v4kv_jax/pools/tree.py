@@ -141,6 +141,36 @@ def with_slots(cache: Cache, *, lengths=None, status=None) -> Cache:
     return cache.replace(state=cache.state.replace(**fields))
 
 
+def page_state(cache: Cache) -> paging.PageState:
+    """The page tables, refcounts and free stack of the Classical pool (`paging.PageState`)."""
+    return cache.pages
+
+
+def with_page_state(cache: Cache, pages: paging.PageState) -> Cache:
+    return cache.replace(pages=pages)
+
+
+def page_table(cache: Cache) -> jax.Array:
+    """i32[max_slots, max_pages_per_seq]: each slot's pages in order (-1: none)."""
+    return cache.pages.page_table
+
+
+def page_rows(cache: Cache, slot_ids: jax.Array) -> jax.Array:
+    """i32[B, max_pages_per_seq]: the page-table rows of `slot_ids`; all -1 (no page) for an
+    id outside [0, max_slots) (`paging.slot_rows`)."""
+    return paging.slot_rows(cache.pages, slot_ids)
+
+
+def refcounts(cache: Cache) -> jax.Array:
+    """i32[num_pages]: holders of each page (slots, and prefix caches through `hold_pages`)."""
+    return cache.pages.refcount
+
+
+def free_pages(cache: Cache) -> jax.Array:
+    """i32[]: pages on the free stack."""
+    return cache.pages.num_free
+
+
 def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     """An empty cache: every slot free, every page free, all storage zero."""
     geometry.check_against(model)
@@ -177,5 +207,6 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
 
 
 __all__ = ["Cache", "ClassicalPool", "OnlineTail", "SlotStatus", "StatePool", "Tail", "codec",
-           "entries", "init_cache", "lengths", "online_tail", "status", "tail", "window_ring",
-           "with_entries", "with_slots", "with_tail", "with_window_ring"]
+           "entries", "free_pages", "init_cache", "lengths", "online_tail", "page_rows",
+           "page_state", "page_table", "refcounts", "status", "tail", "window_ring",
+           "with_entries", "with_page_state", "with_slots", "with_tail", "with_window_ring"]

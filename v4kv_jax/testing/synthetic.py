@@ -208,7 +208,7 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
     all_lengths[: len(lengths)] = lengths
     cache = pools.with_slots(cache, lengths=jnp.asarray(all_lengths),
                              status=jnp.asarray(status))
-    return cache.replace(pages=cache.pages.replace(
+    return pools.with_page_state(cache, pools.page_state(cache).replace(
         page_table=jnp.asarray(table),
         free_stack=jnp.asarray(np.concatenate([free, np.zeros(used, np.int32)])),
         num_free=jnp.asarray(geometry.num_pages - used, jnp.int32),
@@ -234,7 +234,7 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
     geo = cache.geometry
     lengths = np.asarray(pools.lengths(cache), np.int64)
     live = np.asarray(pools.status(cache)) != SlotStatus.FREE
-    table = np.asarray(cache.pages.page_table)
+    table = np.asarray(pools.page_table(cache))
     S, W = geo.max_slots, cache.attn_config.window
     masks = {"window": np.zeros((1, S, W, 1), bool)}
     for s in np.flatnonzero(live):

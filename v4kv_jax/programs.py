@@ -1,0 +1,102 @@
+"""The one place that compiles device programs: every `jax.jit` of the library is made here.
+
+A device program is a traced function of the library (its body lives with its logic: the
+step's bodies in `step`, the pool transfers in `pools`, the Generator's loop in
+`nn.generate`, the Engine's step in `engine`) turned into a `Program` by `program(...)`,
+which owns:
+
+  donation   the arguments named in `donate` (always the `cache` a program returns
+             updated): their buffers are reused for the output, so the caller's copy is
+             consumed
+  statics    the arguments named in `static` (configs, `Options`, graph definitions):
+             hashable, one compiled program per value
+  counting   `Program.traces`: how often the body was traced (= programs compiled), which
+             the tests read to hold "one compilation serves every length and step"
+
+Later, the placement of a program's arguments over a device mesh belongs here too.
+
+The library's programs, by name (`PROGRAMS`; the Generator makes one per instance):
+
+  step.prefill             append a chunk to every layer (prefill, decode_step)
+  step.append_and_attend   append a chunk and attend in every layer
+  step.replay              rewrite the State of tokens a slot holds
+  slots.reset, slots.release                        the slot lifecycle (manager)
+  transfers.attach, .restore, .snapshot, .hold, .drop, .read_pages, .load_pages
+                                                    the prefix cache's pool transfers
+  batch.pad                pad a batch's arrays to a bucket (manager)
+  nn.forward               one model call (`nn.forward`)
+  engine.step              the Engine's step: replay, prefill and decode rows, sampling
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+
+
+class Program:
+    """A jitted device program that counts its traces. Call it like the function."""
+
+    def __init__(self, name: str, fn: Callable, *, donate: Sequence[str] = (),
+                 static: Sequence[str] = ()):
+        self.name = name
+        self.donate, self.static = tuple(donate), tuple(static)
+        self._traces = 0
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            self._traces += 1  # the Python body runs only while jax traces it
+            return fn(*args, **kwargs)
+
+        self._jitted = jax.jit(traced, donate_argnames=self.donate,
+                               static_argnames=self.static)
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        """`jax.stages.Lowered` of the program for these arguments (HLO inspection)."""
+        return self._jitted.lower(*args, **kwargs)
+
+    @property
+    def traces(self) -> int:
+        """How many times the body was traced: one per compiled program."""
+        return self._traces
+
+    def __repr__(self) -> str:
+        return (f"Program({self.name!r}, donate={self.donate}, static={self.static}, "
+                f"traces={self.traces})")
+
+
+PROGRAMS: dict[str, Program] = {}
+
+
+def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequence[str] = (),
+            register: bool = True) -> Program:
+    """The `Program` of `fn`: jitted with `donate` donated and `static` static.
+
+    Args:
+      name: the program's name; a registered name is unique in `PROGRAMS`.
+      fn: the traced body.
+      donate: argument names whose buffers the program consumes.
+      static: argument names that are hashable compile-time values.
+      register: list it in `PROGRAMS` (off for programs made per instance).
+    """
+    made = Program(name, fn, donate=donate, static=static)
+    if register:
+        if name in PROGRAMS:
+            raise ValueError(f"name: expected a program name not yet registered; got {name!r}")
+        PROGRAMS[name] = made
+    return made
+
+
+def traces(name: str) -> int:
+    """Traces (= compiled programs) of the registered program `name`."""
+    if name not in PROGRAMS:
+        raise ValueError(f"name: expected one of {sorted(PROGRAMS)}; got {name!r}")
+    return PROGRAMS[name].traces
+
+
+__all__ = ["PROGRAMS", "Program", "program", "traces"]
