@@ -30,7 +30,6 @@ filesystem fault into a warning and a miss (`v4kv_jax.prefix_disk`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 import warnings
@@ -49,6 +48,7 @@ from v4kv_jax.nn.model import Decoder
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
 from v4kv_jax.prefix_cache import RESTORES, PrefixCache
+from v4kv_jax.request import FINISH_REASONS, EngineError, EngineReport, Request, RequestOutput
 
 # --- the one step program -------------------------------------------------------------------------
 
@@ -125,144 +125,6 @@ def compiled_step_programs() -> int:
     return _step_jit.traces
 
 
-# --- requests and outputs -------------------------------------------------------------------------
-
-FINISH_REASONS = ("eos", "length", "aborted")
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """A finished request.
-
-    Attributes:
-      request_id: the id `add_request` returned.
-      prompt_ids: the prompt.
-      tokens: the generated tokens (up to and including `eos_id`).
-      finish_reason: "eos", "length" (max_new_tokens reached) or "aborted".
-      cached_tokens: prompt tokens whose pages came from the prefix cache (not computed).
-      replayed_tokens: tokens replayed (state only) to rebuild the State at the hit.
-      restored_by: how the State at the hit was rebuilt (`RESTORES`): "none" (no hit),
-        "snapshot", "snapshot+replay", "replay" (R tokens from the empty State) or
-        "recompute" (a hit below R with no snapshot: recomputed instead).
-      snapshot_tier: "device", "host" or "disk" when a snapshot was used, else None.
-      logits: f32[len(tokens), V], the logits each token was drawn from (with the engine's
-        `keep_logits`), else None.
-    """
-
-    request_id: int
-    prompt_ids: list[int]
-    tokens: list[int]
-    finish_reason: str
-    cached_tokens: int
-    replayed_tokens: int
-    restored_by: str
-    snapshot_tier: str | None
-    logits: np.ndarray | None = None
-
-
-class EngineError(RuntimeError):
-    """The engine lost its cache (a device program failed after taking it over) and runs no
-    further step; every later call raises this again.
-
-    Attributes:
-      cause: what failed, as "ExceptionType: message".
-      finished: outputs of finished requests that no `step()` returned yet (only the first
-        EngineError carries them).
-      lost: ids of the requests in flight (queued or running) whose work is gone: submit
-        their prompts to a new Engine.
-    """
-
-    def __init__(self, cause: str, finished: list[RequestOutput], lost: list[int]):
-        self.cause, self.finished, self.lost = cause, finished, lost
-        super().__init__(f"Engine: its cache was lost ({cause}); no further step runs. "
-                         f"Requests in flight lost: {lost}; finished outputs carried by this "
-                         f"error: {[o.request_id for o in finished]}. Make a new Engine.")
-
-
-@dataclasses.dataclass
-class _Request:
-    id: int
-    prompt: np.ndarray
-    max_new_tokens: int
-    temperature: float
-    eos_id: int | None
-    namespace: bytes
-    tokens: list[int]
-    total_pages: int  # pages held at the full length (the last token is never appended)
-    slot: int | None = None
-    length: int = 0  # tokens in the cache
-    replay_at: int = 0
-    replay_end: int = 0
-    digests: list[bytes] = dataclasses.field(default_factory=list)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
-    cached: int = 0
-    replayed: int = 0
-    restored_by: str = "none"
-    snapshot_tier: str | None = None
-
-    def phase(self) -> str:
-        if self.slot is None:
-            return "waiting"
-        if self.replay_at < self.replay_end:
-            return "replay"
-        return "prefill" if self.length < len(self.prompt) else "decode"
-
-
-# --- the memory report ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineReport:
-    """The cache's `pools.MemoryReport` and what prefix sharing adds to it.
-
-    Attributes:
-      cache: the pools' report (its pages_shared counts pages with refcount > 1, the index's
-        reference included).
-      pages_in_requests: pages some live request holds.
-      pages_shared: pages two or more live requests hold (one physical copy).
-      pages_indexed: pages the prefix index lists.
-      pages_cached_only: listed pages no live request holds (evictable).
-      snapshots: tier -> (count, bytes); disk: the files `snapshot_dir` holds (this
-        engine's and any other's it found there).
-      snapshot_dir: the disk tier as one line (path, files, bytes, bound or read-only,
-        filesystem errors caught), or None without one.
-      stats: counters: requests, hits, prompt_tokens, cached_tokens, replayed_tokens,
-        recomputed_tokens (prompt tokens computed), pages_evicted, pages_loaded (from disk),
-        snapshots_taken, snapshots_dropped, disk_errors (filesystem errors caught).
-    """
-
-    cache: pools.MemoryReport
-    pages_in_requests: int
-    pages_shared: int
-    pages_indexed: int
-    pages_cached_only: int
-    snapshots: dict[str, tuple[int, int]]
-    stats: dict[str, int]
-    snapshot_dir: str | None = None
-
-    @property
-    def cached_fraction(self) -> float:
-        """Cached / prompt tokens over every admitted request."""
-        prompt = self.stats["prompt_tokens"]
-        return self.stats["cached_tokens"] / prompt if prompt else 0.0
-
-    def format(self) -> str:
-        s = self.stats
-        tiers = ", ".join(f"{t} {n} ({b:,} B)" for t, (n, b) in self.snapshots.items())
-        return "\n".join([
-            self.cache.format(),
-            f"Prefix cache: {self.pages_indexed} pages listed, {self.pages_cached_only} held "
-            f"only by the index, {self.pages_shared} shared by live requests, "
-            f"{self.pages_in_requests} in live requests",
-            f"Snapshots: {tiers}",
-            f"Prompt tokens {s['prompt_tokens']:,}: cached {s['cached_tokens']:,} "
-            f"({100 * self.cached_fraction:.1f} %), replayed {s['replayed_tokens']:,}, "
-            f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
-            f"requests; {s['pages_evicted']} pages evicted",
-        ] + ([f"Snapshot directory {self.snapshot_dir}"] if self.snapshot_dir else []))
-
-
 # --- the engine -----------------------------------------------------------------------------------
 
 
@@ -324,11 +186,11 @@ class Engine(ModelCache):
             self, replay_pages=self.replay_pages, snapshot_every_pages=snapshot_every_pages,
             device_snapshots=device_snapshots, host_snapshots=host_snapshots,
             snapshot_dir=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, Request] = {}
         self._queue: list[int] = []
         self._ids = itertools.count()
         self._finished: list[RequestOutput] = []  # outputs no step() has returned yet
-        self._unreleased: list[_Request] = []  # finished requests whose slot is still held
+        self._unreleased: list[Request] = []  # finished requests whose slot is still held
         self._broken: str | None = None  # what lost the cache
         self._closed = False
         self.stats = dict.fromkeys(
@@ -422,7 +284,7 @@ class Engine(ModelCache):
         need = pages_for(end, geo.page_tokens)
         if need > geo.num_pages:
             raise PoolExhaustedError([PageShortfall(request_id, need)], geo.num_pages)
-        self._requests[request_id] = _Request(
+        self._requests[request_id] = Request(
             request_id, prompt.astype(np.int32), max_new_tokens, temperature, eos_id, namespace,
             prompt.astype(np.int32).tolist(), need)
         self._queue.append(request_id)
@@ -446,7 +308,7 @@ class Engine(ModelCache):
         """Ids of the queued and running requests."""
         return list(self._requests)
 
-    def _request(self, request_id) -> _Request:
+    def _request(self, request_id) -> Request:
         if isinstance(request_id, (bool, np.bool_)) or not isinstance(request_id, int):
             checks.fail("request_id", "an int returned by add_request", repr(request_id),
                         TypeError)
@@ -543,7 +405,7 @@ class Engine(ModelCache):
         self.cache = cache
         flagged = set() if flag_error is None else set(flag_error.flags)
         # Commit: every request's progress, as the device has it. Nothing here can fail.
-        finished: list[_Request] = []
+        finished: list[Request] = []
         advanced = []
         for req in running:
             if req.id not in work or req.id in flagged:
@@ -583,7 +445,7 @@ class Engine(ModelCache):
             self._broken = f"{type(flag_error).__name__}: {flag_error}"
             raise flag_error
 
-    def _batch(self, running: list[_Request]) -> tuple[StepBatch, dict[int, tuple[str, int]]]:
+    def _batch(self, running: list[Request]) -> tuple[StepBatch, dict[int, tuple[str, int]]]:
         """The step's rows, and request id -> (phase, tokens) for each request with work."""
         S, C = self.geometry.max_slots, self.prefill_chunk
         rows = {name: np.full((S,) + shape, fill, np.int32) for name, shape, fill in (
@@ -632,18 +494,18 @@ class Engine(ModelCache):
         if error is not None:
             raise error
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Request) -> None:
         """Gives a request's slot (and the pages only it holds) back."""
         if req.slot is not None:
             self.cache = self.table.release(self.cache, req.id)
             req.slot = None
 
-    def _finish(self, req: _Request, reason: str) -> RequestOutput:
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
         out = self._output(req, reason)
         self._release(req)
         return out
 
-    def _output(self, req: _Request, reason: str) -> RequestOutput:
+    def _output(self, req: Request, reason: str) -> RequestOutput:
         """The request's output; it leaves the requests in flight (its slot is not released
         here)."""
         self._requests.pop(req.id, None)
@@ -663,7 +525,7 @@ class Engine(ModelCache):
 
     # --- admission --------------------------------------------------------------------------------
 
-    def _admit(self, req: _Request) -> bool:
+    def _admit(self, req: Request) -> bool:
         """Admits `req` into a free slot with its prefix hit, if the pool can hold it (after
         evicting what it needs); False (nothing changed) otherwise."""
         if len(self.table) == self.geometry.max_slots:

@@ -34,6 +34,10 @@ _ENTRY_FIELD = {"csa": "c4", "csa_index": "index_keys", "hca": "c128"}
 
 @struct.dataclass
 class ClassicalPool:
+    """Complete entries, paged ([n_kind_layers, num_pages, P // m, stored width], as stored):
+    c4 the CSA layers' C4 entries, index_keys their indexer keys, c128 the HCA layers' C128
+    entries."""
+
     c4: jax.Array
     index_keys: jax.Array
     c128: jax.Array
@@ -60,12 +64,17 @@ class OnlineTail:
 
 @struct.dataclass
 class StatePool:
+    """What changes every step, per slot: lengths and status i32[max_slots], the window rings
+    [n_layers, max_slots, W, stored width], and each compressor's open block: the CSA main
+    and indexer compressors' raw `Tail` rings, the HCA compressor's `Tail` ring or, with
+    hca_tail="online", its `OnlineTail`."""
+
     lengths: jax.Array
     status: jax.Array
     window: jax.Array
     csa: Tail
     csa_index: Tail
-    hca: Tail
+    hca: Tail | OnlineTail
 
 
 @struct.dataclass

@@ -1,0 +1,148 @@
+"""What the Engine takes and gives back: the host record of a request (`Request`), the
+finished request (`RequestOutput`), the error of an engine that lost its cache
+(`EngineError`) and the memory report with prefix sharing (`EngineReport`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from v4kv_jax import pools
+
+FINISH_REASONS = ("eos", "length", "aborted")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+    """A finished request.
+
+    Attributes:
+      request_id: the id `add_request` returned.
+      prompt_ids: the prompt.
+      tokens: the generated tokens (up to and including `eos_id`).
+      finish_reason: "eos", "length" (max_new_tokens reached) or "aborted".
+      cached_tokens: prompt tokens whose pages came from the prefix cache (not computed).
+      replayed_tokens: tokens replayed (state only) to rebuild the State at the hit.
+      restored_by: how the State at the hit was rebuilt (`RESTORES`): "none" (no hit),
+        "snapshot", "snapshot+replay", "replay" (R tokens from the empty State) or
+        "recompute" (a hit below R with no snapshot: recomputed instead).
+      snapshot_tier: "device", "host" or "disk" when a snapshot was used, else None.
+      logits: f32[len(tokens), V], the logits each token was drawn from (with the engine's
+        `keep_logits`), else None.
+    """
+
+    request_id: int
+    prompt_ids: list[int]
+    tokens: list[int]
+    finish_reason: str
+    cached_tokens: int
+    replayed_tokens: int
+    restored_by: str
+    snapshot_tier: str | None
+    logits: np.ndarray | None = None
+
+
+class EngineError(RuntimeError):
+    """The engine lost its cache (a device program failed after taking it over) and runs no
+    further step; every later call raises this again.
+
+    Attributes:
+      cause: what failed, as "ExceptionType: message".
+      finished: outputs of finished requests that no `step()` returned yet (only the first
+        EngineError carries them).
+      lost: ids of the requests in flight (queued or running) whose work is gone: submit
+        their prompts to a new Engine.
+    """
+
+    def __init__(self, cause: str, finished: list[RequestOutput], lost: list[int]):
+        self.cause, self.finished, self.lost = cause, finished, lost
+        super().__init__(f"Engine: its cache was lost ({cause}); no further step runs. "
+                         f"Requests in flight lost: {lost}; finished outputs carried by this "
+                         f"error: {[o.request_id for o in finished]}. Make a new Engine.")
+
+
+@dataclasses.dataclass
+class Request:
+    """The host record of one request: its prompt, settings, slot, progress and outputs."""
+
+    id: int
+    prompt: np.ndarray
+    max_new_tokens: int
+    temperature: float
+    eos_id: int | None
+    namespace: bytes
+    tokens: list[int]
+    total_pages: int  # pages held at the full length (the last token is never appended)
+    slot: int | None = None
+    length: int = 0  # tokens in the cache
+    replay_at: int = 0
+    replay_end: int = 0
+    digests: list[bytes] = dataclasses.field(default_factory=list)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    cached: int = 0
+    replayed: int = 0
+    restored_by: str = "none"
+    snapshot_tier: str | None = None
+
+    def phase(self) -> str:
+        if self.slot is None:
+            return "waiting"
+        if self.replay_at < self.replay_end:
+            return "replay"
+        return "prefill" if self.length < len(self.prompt) else "decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineReport:
+    """The cache's `pools.MemoryReport` and what prefix sharing adds to it.
+
+    Attributes:
+      cache: the pools' report (its pages_shared counts pages with refcount > 1, the index's
+        reference included).
+      pages_in_requests: pages some live request holds.
+      pages_shared: pages two or more live requests hold (one physical copy).
+      pages_indexed: pages the prefix index lists.
+      pages_cached_only: listed pages no live request holds (evictable).
+      snapshots: tier -> (count, bytes); disk: the files `snapshot_dir` holds (this
+        engine's and any other's it found there).
+      snapshot_dir: the disk tier as one line (path, files, bytes, bound or read-only,
+        filesystem errors caught), or None without one.
+      stats: counters: requests, hits, prompt_tokens, cached_tokens, replayed_tokens,
+        recomputed_tokens (prompt tokens computed), pages_evicted, pages_loaded (from disk),
+        snapshots_taken, snapshots_dropped, disk_errors (filesystem errors caught).
+    """
+
+    cache: pools.MemoryReport
+    pages_in_requests: int
+    pages_shared: int
+    pages_indexed: int
+    pages_cached_only: int
+    snapshots: dict[str, tuple[int, int]]
+    stats: dict[str, int]
+    snapshot_dir: str | None = None
+
+    @property
+    def cached_fraction(self) -> float:
+        """Cached / prompt tokens over every admitted request."""
+        prompt = self.stats["prompt_tokens"]
+        return self.stats["cached_tokens"] / prompt if prompt else 0.0
+
+    def format(self) -> str:
+        s = self.stats
+        tiers = ", ".join(f"{t} {n} ({b:,} B)" for t, (n, b) in self.snapshots.items())
+        return "\n".join([
+            self.cache.format(),
+            f"Prefix cache: {self.pages_indexed} pages listed, {self.pages_cached_only} held "
+            f"only by the index, {self.pages_shared} shared by live requests, "
+            f"{self.pages_in_requests} in live requests",
+            f"Snapshots: {tiers}",
+            f"Prompt tokens {s['prompt_tokens']:,}: cached {s['cached_tokens']:,} "
+            f"({100 * self.cached_fraction:.1f} %), replayed {s['replayed_tokens']:,}, "
+            f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
+            f"requests; {s['pages_evicted']} pages evicted",
+        ] + ([f"Snapshot directory {self.snapshot_dir}"] if self.snapshot_dir else []))
+
+
+__all__ = ["FINISH_REASONS", "EngineError", "EngineReport", "Request", "RequestOutput"]
