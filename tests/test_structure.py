@@ -146,3 +146,13 @@ def test_each_reference_op_and_its_kernels_share_a_name(op):
         module = importlib.import_module(f"pallas_kernels.{folder}.{backend}")
         assert callable(getattr(module, op))
         assert callable(module.supported)  # each backend says which configs it runs
+
+
+@pytest.mark.parametrize("module, name, new_place", [
+    ("ops", "decode_attention", "ops.read"), ("ops", "selected", "ops.choose"),
+    ("ops", "gpu_support_problem", "ops.supported"), ("step", "jitted", "programs.program"),
+    ("append", "page_rows", "pools.page_rows"),
+])
+def test_a_removed_name_says_where_its_job_went(module, name, new_place):
+    with pytest.raises(AttributeError, match=re.escape(new_place)):
+        getattr(importlib.import_module(f"v4kv_jax.{module}"), name)

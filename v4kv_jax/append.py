@@ -308,6 +308,13 @@ def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
     return cache
 
 
+def __getattr__(name: str):
+    if name == "page_rows":
+        raise AttributeError("v4kv_jax.append.page_rows moved: use "
+                             "v4kv_jax.pools.page_rows(cache, slot_ids)")
+    raise AttributeError(f"module 'v4kv_jax.append' has no attribute {name!r}")
+
+
 __all__ = ["AppendPlan", "after", "append_compressor", "append_layers", "begin_append",
            "check_replay", "check_rows", "end_append", "read_slots", "replay_plan",
            "write_window"]

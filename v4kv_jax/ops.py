@@ -467,6 +467,21 @@ def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, 
     return untile(out), None if picks is None else untile(picks)
 
 
+# Names this module had, and where their job is done now.
+_MOVED = {
+    "decode_attention": "ops.read (one layer's attention for any chunk, from arrays) or "
+                        "v4kv_jax.decode_attention (a layer read from a Cache)",
+    "selected": "ops.choose(op, model, geometry, options)",
+    "gpu_support_problem": "ops.supported(op, 'pallas_gpu', model, geometry)",
+}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"v4kv_jax.ops.{name} was removed: use {_MOVED[name]}")
+    raise AttributeError(f"module 'v4kv_jax.ops' has no attribute {name!r}")
+
+
 __all__ = [
     "IMPLEMENTATIONS", "KERNEL_OPS", "Choice", "KernelUnavailableError", "Stored",
     "WindowKeys", "choose", "dense_decode_attention", "emit_entries", "emit_entries_online",

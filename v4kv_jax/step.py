@@ -444,6 +444,14 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
                            options=_options(options))
 
 
+def __getattr__(name: str):
+    if name == "jitted":
+        raise AttributeError("v4kv_jax.step.jitted was removed: device programs are compiled "
+                             "by v4kv_jax.programs.program(name, fn, donate=('cache',), "
+                             "static=('options',))")
+    raise AttributeError(f"module 'v4kv_jax.step' has no attribute {name!r}")
+
+
 __all__ = [
     "append_and_attend", "check_queries", "check_vectors", "check_weights", "decode_attention",
     "chunk_length", "decode_attention_all",
