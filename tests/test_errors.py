@@ -11,6 +11,7 @@ from flax import nnx
 
 import v4kv_jax as v4
 from v4kv_jax import append, pools, step
+from v4kv_jax.manager import CacheManager
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
 from v4kv_jax.pools import SlotStatus
 from v4kv_jax.testing import synthetic
@@ -290,3 +291,17 @@ def test_decode_attention_all_checks_slots_and_queries():
         step.decode_attention_all(cache, q, [3])
     with pytest.raises(ValueError, match=r"queries.q: expected shape \(5, 1, 1, 4, 32\)"):
         step.decode_attention_all(cache, q.replace(q=q.q[..., :8]), [0])
+
+
+def test_pool_accessors_and_host_objects_name_their_bad_arguments():
+    cache = v4.init_cache(MODEL, GEOMETRY)
+    for accessor in (pools.entries, pools.tail):
+        with pytest.raises(ValueError, match=r"name: expected one of \('csa', 'csa_index', "
+                                             r"'hca'\); got 'c4'"):
+            accessor(cache, "c4")
+    with pytest.raises(ValueError, match=r"name: expected one of .*; got 'window'"):
+        pools.with_entries(cache, "window", pools.window_ring(cache))
+    with pytest.raises(TypeError, match=r"geometry: expected a CacheConfig; got dict"):
+        CacheManager(MODEL, {}, synthetic.SyntheticBatch.draw(MODEL, 1, 1).weights)
+    with pytest.raises(TypeError, match=r"model: expected an AttentionConfig; got str"):
+        CacheManager("tiny", GEOMETRY, synthetic.SyntheticBatch.draw(MODEL, 1, 1).weights)

@@ -30,6 +30,14 @@ class SlotStatus(enum.IntEnum):
 
 
 _ENTRY_FIELD = {"csa": "c4", "csa_index": "index_keys", "hca": "c128"}
+COMPRESSORS = tuple(_ENTRY_FIELD)  # the compressor names the accessors take
+
+
+def _compressor(name: str) -> str:
+    """`name` if it names a compressor, else a ValueError naming the argument."""
+    if name not in _ENTRY_FIELD:
+        raise ValueError(f"name: expected one of {COMPRESSORS}; got {name!r}")
+    return name
 
 
 @struct.dataclass
@@ -96,11 +104,12 @@ class Cache:
 def entries(cache: Cache, name: str) -> jax.Array:
     """The Classical array of compressor `name` ("csa" C4 entries, "csa_index" indexer keys,
     "hca" C128 entries): [n_kind_layers, num_pages, P // m, width], as stored."""
-    return getattr(cache.classical, _ENTRY_FIELD[name])
+    return getattr(cache.classical, _ENTRY_FIELD[_compressor(name)])
 
 
 def with_entries(cache: Cache, name: str, value: jax.Array) -> Cache:
-    return cache.replace(classical=cache.classical.replace(**{_ENTRY_FIELD[name]: value}))
+    field = _ENTRY_FIELD[_compressor(name)]
+    return cache.replace(classical=cache.classical.replace(**{field: value}))
 
 
 def window_ring(cache: Cache) -> jax.Array:
@@ -116,11 +125,11 @@ def tail(cache: Cache, name: str) -> Tail | OnlineTail:
     """The tails of compressor `name`, as stored: a `Tail` ring, kv and gate
     [n_kind_layers, max_slots, ring, in_width] (position p at row p % ring; gate with the
     position bias added), or for "hca" with hca_tail="online" an `OnlineTail`."""
-    return getattr(cache.state, name)
+    return getattr(cache.state, _compressor(name))
 
 
 def with_tail(cache: Cache, name: str, value: Tail | OnlineTail) -> Cache:
-    return cache.replace(state=cache.state.replace(**{name: value}))
+    return cache.replace(state=cache.state.replace(**{_compressor(name): value}))
 
 
 def online_tail(geometry: CacheConfig, name: str) -> bool:
@@ -215,7 +224,8 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     )
 
 
-__all__ = ["Cache", "ClassicalPool", "OnlineTail", "SlotStatus", "StatePool", "Tail", "codec",
+__all__ = ["COMPRESSORS", "Cache", "ClassicalPool", "OnlineTail", "SlotStatus", "StatePool",
+           "Tail", "codec",
            "entries", "free_pages", "init_cache", "lengths", "online_tail", "page_rows",
            "page_state", "page_table", "refcounts", "status", "tail", "window_ring",
            "with_entries", "with_page_state", "with_slots", "with_tail", "with_window_ring"]
