@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import v4kv_jax as v4
-from v4kv_jax import append, attention, indexer, paging, pools, programs, step
+from v4kv_jax import append, attention, indexer, ops, paging, pools, programs, step
 from v4kv_jax.config import LayerKind
 from v4kv_jax.testing import oracle, synthetic
 
@@ -22,6 +22,7 @@ from conftest import (
     CHUNK,
     GEOMETRY,
     MODEL,
+    OPTIONS,
     assert_matches_oracle,
     chunk_plan,
     hypothesis_examples,
@@ -330,6 +331,51 @@ def test_300_decode_steps_across_page_edges_compile_once():
                                           slots, one)
     after = (step._append_all_jit.traces, step._append_attend_all_jit.traces)
     assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
+
+
+@pytest.mark.parametrize("tokens", [CHUNK, 1])
+def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypatch):
+    """Prefill tiles and decode alike: the sparse read reads the ids `ops.make_resident`
+    returns (here: none resident, so the CSA layer sees its window only, as an SWA layer
+    would), and `with_picks` still returns the indexer's picks."""
+    data = synthetic.SyntheticBatch.draw(MODEL, 2, 120, seed=9)
+    lengths = np.asarray([70, 33])
+    cache, _ = run_chunks(new_cache(), data, chunk_plan(lengths, [CHUNK]), rows=[0, 1],
+                          with_attention=False)
+    pos = lengths[:, None] + np.arange(tokens)[None, :]
+    layer = MODEL.layers_of(LayerKind.CSA)[0]
+    inputs = _one_layer(data, layer, pos, [0, 1])
+
+    def run(cache):  # eager: the Python of the read runs on every call
+        cache, plan = append.begin_append(cache, jnp.arange(2), jnp.full(2, tokens, jnp.int32),
+                                          tokens)
+        _, out, picks = step.layer_step(cache, plan, v4.LayerRef.of_config(MODEL, layer),
+                                        *inputs, options=OPTIONS, with_picks=True)
+        return np.asarray(out), np.asarray(picks)
+
+    want_out, want_picks = run(jax.tree.map(jnp.copy, cache))
+    calls = []
+
+    def nothing_resident(picks, stored):
+        calls.append(picks.shape)
+        return jnp.full_like(picks, -1), stored
+
+    monkeypatch.setattr(ops, "make_resident", nothing_resident)
+    got_out, got_picks = run(jax.tree.map(jnp.copy, cache))
+    assert calls and all(shape[-1] == MODEL.index_topk for shape in calls)
+    np.testing.assert_array_equal(got_picks, want_picks)
+    assert (want_picks >= 0).any() and not np.allclose(got_out, want_out)
+    # With no entry readable the layer reads its window alone (the reference, no pick).
+    window_only = attention.attend(
+        MODEL, GEOMETRY, OPTIONS, LayerKind.CSA, layer=MODEL.kind_index(layer),
+        entries=pools.entries(cache, "csa"), picks=jnp.full((2, tokens, MODEL.index_topk), -1),
+        page_rows=pools.page_rows(cache, jnp.arange(2)), q=inputs[1].q, sink=inputs[1].sink,
+        q_pos=jnp.asarray(pos, jnp.int32), kv_end=jnp.asarray(lengths + tokens, jnp.int32),
+        window_keys=jnp.concatenate([attention.ordered_window(
+            pools.window_ring(cache)[layer, :2], jnp.asarray(lengths, jnp.int32)),
+            pools.codec(cache, "window").encode(inputs[0].window)], axis=1),
+        window_base=jnp.asarray(lengths - MODEL.window, jnp.int32))
+    np.testing.assert_allclose(got_out, np.asarray(window_only), rtol=1e-5, atol=1e-6)
 
 
 def _float_shapes(jaxpr) -> list[tuple[int, ...]]:

@@ -357,9 +357,11 @@ class Stored:
 
 def make_resident(picks: jax.Array, stored: Stored) -> tuple[jax.Array, Stored]:
     """The one place where a CSA layer's picked entries are made readable before the sparse
-    read: every entry lives in the device pool today, so the picks and the stored arrays pass
-    through unchanged. A host tier of C4 entries copies the picks that are not resident into
-    device rows here and returns the picks remapped to them."""
+    read. Returns (the ids the sparse read uses, the stored arrays it reads them from): every
+    entry lives in the device pool today, so both pass through unchanged. A host tier of C4
+    entries copies the picks that are not resident into device rows here and returns the
+    picks remapped to those rows. `read` returns the indexer's picks, never the remapped
+    ids."""
     return picks, stored
 
 
@@ -404,16 +406,16 @@ def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window,
                        layer=stored.layer, page_rows=stored.page_rows,
                        index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
                        q_pos=q_pos, kv_end=kv_end)
-    picks, stored = make_resident(picks, stored)
+    rows, stored = make_resident(picks, stored)
     out = sparse_decode_attention(model, geometry, options, c4=stored.entries,
-                                  c4_layer=stored.layer, picks=picks, **common)
+                                  c4_layer=stored.layer, picks=rows, **common)
     return out[:, None], picks[:, None]
 
 
 def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base, stored):
     """The reference read of a chunk whose window keys are `keys` [B, K, sw] at positions
     base .. base + K - 1."""
-    picks = None
+    picks = rows = None
     if kind == LayerKind.CSA:
         picks = indexer.index_topk(model, geometry, options, index_keys=stored.index_keys,
                                    layer=stored.layer, page_rows=stored.page_rows,
@@ -421,11 +423,11 @@ def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, ba
                                                                        queries.index_q),
                                    index_weights=queries.index_weights, q_pos=q_pos,
                                    kv_end=kv_end)
-        picks, stored = make_resident(picks, stored)
+        rows, stored = make_resident(picks, stored)
     out = attention.attend(model, geometry, options, kind, layer=stored.layer,
                            entries=stored.entries, page_rows=stored.page_rows, q=queries.q,
                            sink=queries.sink, q_pos=q_pos, kv_end=kv_end, window_keys=keys,
-                           window_base=base, picks=picks)
+                           window_base=base, picks=rows)
     return out, picks
 
 
