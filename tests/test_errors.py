@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import append, pools, step
+from v4kv_jax import append, ops, pools, step
+from v4kv_jax.config import LayerKind
 from v4kv_jax.manager import CacheManager
 from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
 from v4kv_jax.pools import SlotStatus
@@ -305,3 +306,32 @@ def test_pool_accessors_and_host_objects_name_their_bad_arguments():
         CacheManager(MODEL, {}, synthetic.SyntheticBatch.draw(MODEL, 1, 1).weights)
     with pytest.raises(TypeError, match=r"model: expected an AttentionConfig; got str"):
         CacheManager("tiny", GEOMETRY, synthetic.SyntheticBatch.draw(MODEL, 1, 1).weights)
+
+
+def test_the_read_door_names_its_bad_arguments():
+    cache = v4.init_cache(MODEL, GEOMETRY)
+    data = synthetic.SyntheticBatch.draw(MODEL, 2, 1, seed=0)
+    layer = MODEL.layers_of(LayerKind.CSA)[0]
+    queries = data.queries(layer, np.zeros((2, 1), int))
+    ends = jnp.ones(2, jnp.int32)
+    window = ops.WindowKeys(pools.window_ring(cache)[layer, :2], ends)
+    stored = ops.Stored(jnp.int32(0), pools.page_rows(cache, jnp.arange(2)),
+                        pools.entries(cache, "csa"), pools.entries(cache, "csa_index"))
+
+    def read(kind=LayerKind.CSA, q=queries, **kw):
+        args = dict(q_pos=ends[:, None] - 1, kv_end=ends, window=window, stored=stored) | kw
+        return ops.read(kind, MODEL, GEOMETRY, None, q, **args)
+
+    assert read()[0].shape == (2, 1, MODEL.num_heads, MODEL.head_dim)
+    with pytest.raises(TypeError, match=r"kind: expected a LayerKind; got 'csa'"):
+        read("csa")
+    with pytest.raises(ValueError, match=r"q_pos: expected shape \(2, 1\); got shape \(2,\)"):
+        read(q_pos=ends)
+    with pytest.raises(ValueError, match=r"window.ring: expected shape"):
+        read(window=window.replace(ring=pools.window_ring(cache)[layer]))
+    with pytest.raises(ValueError, match=r"stored.index_keys: expected the stored array of a "
+                                         r"CSA layer; got None"):
+        read(stored=stored.replace(index_keys=None))
+    with pytest.raises(ValueError, match=r"queries.index_q / queries.index_weights: expected "
+                                         r"the indexer queries of a CSA layer"):
+        read(q=queries.replace(index_q=None))

@@ -333,17 +333,23 @@ def test_300_decode_steps_across_page_edges_compile_once():
     assert after[0] - before[0] <= 1 and after[1] - before[1] <= 1
 
 
-@pytest.mark.parametrize("tokens", [CHUNK, 1])
-def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypatch):
-    """Prefill tiles and decode alike: the sparse read reads the ids `ops.make_resident`
-    returns (here: none resident, so the CSA layer sees its window only, as an SWA layer
-    would), and `with_picks` still returns the indexer's picks."""
+def _csa_chunk_after_prefill(tokens: int):
+    """(data, lengths, cache, positions [2, tokens], CSA layer): two rows prefilled to 70
+    and 33 tokens, and the positions of their next `tokens` tokens."""
     data = synthetic.SyntheticBatch.draw(MODEL, 2, 120, seed=9)
     lengths = np.asarray([70, 33])
     cache, _ = run_chunks(new_cache(), data, chunk_plan(lengths, [CHUNK]), rows=[0, 1],
                           with_attention=False)
     pos = lengths[:, None] + np.arange(tokens)[None, :]
-    layer = MODEL.layers_of(LayerKind.CSA)[0]
+    return data, lengths, cache, pos, MODEL.layers_of(LayerKind.CSA)[0]
+
+
+@pytest.mark.parametrize("tokens", [CHUNK, 1])
+def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypatch):
+    """Prefill tiles and decode alike: the sparse read reads the ids `ops.make_resident`
+    returns (here: none resident, so the CSA layer sees its window only), and `with_picks`
+    still returns the indexer's picks."""
+    data, lengths, cache, pos, layer = _csa_chunk_after_prefill(tokens)
     inputs = _one_layer(data, layer, pos, [0, 1])
 
     def run(cache):  # eager: the Python of the read runs on every call
@@ -472,12 +478,7 @@ def _layer_with_picks(cache, vectors, queries, params, n_new, layer):
 def test_layer_step_returns_the_indexers_picks(tokens):
     """with_picks: the CSA picks of every query (prefill tiles and decode) are the oracle's
     top-k sets wherever the cut has a margin; HCA layers have none."""
-    data = synthetic.SyntheticBatch.draw(MODEL, 2, 120, seed=9)
-    lengths = np.asarray([70, 33])
-    cache, _ = run_chunks(new_cache(), data, chunk_plan(lengths, [CHUNK]), rows=[0, 1],
-                          with_attention=False)
-    pos = lengths[:, None] + np.arange(tokens)[None, :]
-    layer = MODEL.layers_of(LayerKind.CSA)[0]
+    data, lengths, cache, pos, layer = _csa_chunk_after_prefill(tokens)
     _, _, picks = _layer_with_picks(cache, *_one_layer(data, layer, pos, [0, 1]),
                                     jnp.full(2, tokens, jnp.int32), layer)
     assert picks.shape == (2, tokens, MODEL.index_topk)

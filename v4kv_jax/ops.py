@@ -49,9 +49,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from v4kv_jax import attention, compressor, indexer, pools, rope, storage
+from v4kv_jax import attention, checks, compressor, indexer, pools, rope, storage
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -386,10 +387,35 @@ def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
       runs the reference, `options.query_tile` queries at a time.
     """
     options = _options(options)
+    _check_read(kind, model, queries, q_pos, kv_end, window, stored)
     if kind != LayerKind.SWA and queries.q.shape[1] == 1 and window.chunk is None:
         return _read_decode(kind, model, geometry, options, queries, q_pos[:, 0], kv_end,
                             window, stored)
     return _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored)
+
+
+def _check_read(kind, model, queries, q_pos, kv_end, window, stored) -> None:
+    """Static checks of `read`'s arguments (they run inside jit too), naming the argument."""
+    if not isinstance(kind, LayerKind):
+        checks.fail("kind", "a LayerKind", repr(kind), TypeError)
+    if np.ndim(queries.q) != 4:
+        checks.fail("queries.q", "an array [B, T, H, hd]", f"shape {np.shape(queries.q)}")
+    batch, tokens = queries.q.shape[:2]
+    checks.shape("q_pos", q_pos, (batch, tokens))
+    checks.shape("kv_end", kv_end, (batch,))
+    checks.shape("window.ring", window.ring, (batch, model.window, None))
+    checks.shape("window.end", window.end, (batch,))
+    if window.chunk is not None:
+        checks.shape("window.chunk", window.chunk, (batch, tokens, window.ring.shape[-1]))
+    checks.shape("stored.page_rows", stored.page_rows, (batch, None))
+    needed = {LayerKind.CSA: ("entries", "index_keys"), LayerKind.HCA: ("entries",),
+              LayerKind.SWA: ()}[kind]
+    for field in needed:
+        if getattr(stored, field) is None:
+            checks.fail(f"stored.{field}", f"the stored array of a {kind.name} layer", None)
+    if kind == LayerKind.CSA and (queries.index_q is None or queries.index_weights is None):
+        checks.fail("queries.index_q / queries.index_weights", "the indexer queries of a CSA "
+                    "layer", None)
 
 
 def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window, stored):

@@ -56,10 +56,6 @@ class Program:
     def __call__(self, *args, **kwargs):
         return self._jitted(*args, **kwargs)
 
-    def lower(self, *args, **kwargs):
-        """`jax.stages.Lowered` of the program for these arguments (HLO inspection)."""
-        return self._jitted.lower(*args, **kwargs)
-
     @property
     def traces(self) -> int:
         """How many times the body was traced: one per compiled program."""
@@ -92,11 +88,4 @@ def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequ
     return made
 
 
-def traces(name: str) -> int:
-    """Traces (= compiled programs) of the registered program `name`."""
-    if name not in PROGRAMS:
-        raise ValueError(f"name: expected one of {sorted(PROGRAMS)}; got {name!r}")
-    return PROGRAMS[name].traces
-
-
-__all__ = ["PROGRAMS", "Program", "program", "traces"]
+__all__ = ["PROGRAMS", "Program", "program"]

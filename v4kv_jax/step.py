@@ -30,15 +30,20 @@ from v4kv_jax.pools import Cache, SlotStatus
 from v4kv_jax.vectors import CompressorWeights, LayerRef, Queries, TokenVectors
 
 
-def stored(cache: Cache, ref: LayerRef, rows: jax.Array) -> ops.Stored:
-    """What layer `ref` reads of the Classical pool (`ops.Stored`), for page-table rows
-    `rows` i32[B, max_pages_per_seq]."""
+def _read(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
+          window: ops.WindowKeys, q_pos: jax.Array, kv_end: jax.Array, options: Options):
+    """`ops.read` of layer `ref` for the rows `slot_ids`, its stored arrays taken from the
+    cache's pools (a slot id outside [0, max_slots) has no page)."""
+    rows = pools.page_rows(cache, slot_ids)
     if ref.kind == LayerKind.CSA:
-        return ops.Stored(ref.kind_layer, rows, pools.entries(cache, "csa"),
-                          pools.entries(cache, "csa_index"))
-    if ref.kind == LayerKind.HCA:
-        return ops.Stored(ref.kind_layer, rows, pools.entries(cache, "hca"))
-    return ops.Stored(ref.kind_layer, rows)
+        stored = ops.Stored(ref.kind_layer, rows, pools.entries(cache, "csa"),
+                            pools.entries(cache, "csa_index"))
+    elif ref.kind == LayerKind.HCA:
+        stored = ops.Stored(ref.kind_layer, rows, pools.entries(cache, "hca"))
+    else:
+        stored = ops.Stored(ref.kind_layer, rows)
+    return ops.read(ref.kind, cache.attn_config, cache.geometry, options, queries, q_pos=q_pos,
+                    kv_end=kv_end, window=window, stored=stored)
 
 
 def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
@@ -118,9 +123,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
         window = ops.WindowKeys(old_ring, plan.start,
                                 pools.codec(cache, "window").encode(vectors.window))
         q_pos = plan.positions(tokens)
-    out, picks = ops.read(ref.kind, model, cache.geometry, options, queries, q_pos=q_pos,
-                          kv_end=plan.end, window=window,
-                          stored=stored(cache, ref, pools.page_rows(cache, plan.slot_ids)))
+    out, picks = _read(cache, ref, queries, plan.slot_ids, window, q_pos, plan.end, options)
     return (cache, out, picks) if with_picks else (cache, out)
 
 
@@ -145,9 +148,8 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
     slots = read_slots(cache, slot_ids)
     length = jnp.where(inside, pools.lengths(cache)[slots], 0)  # a row outside reads nothing
     window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], length)
-    out, _ = ops.read(ref.kind, cache.attn_config, cache.geometry, options, queries,
-                      q_pos=(length - 1)[:, None], kv_end=length, window=window,
-                      stored=stored(cache, ref, pools.page_rows(cache, slot_ids)))
+    out, _ = _read(cache, ref, queries, slot_ids, window, (length - 1)[:, None], length,
+                   options)
     return out
 
 
@@ -455,5 +457,5 @@ def __getattr__(name: str):
 __all__ = [
     "append_and_attend", "check_queries", "check_vectors", "check_weights", "decode_attention",
     "chunk_length", "decode_attention_all",
-    "decode_step", "layer_step", "layers_step", "prefill", "replay", "stored",
+    "decode_step", "layer_step", "layers_step", "prefill", "replay",
 ]
