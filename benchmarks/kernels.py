@@ -247,9 +247,11 @@ def record(rows: list[Row], backend: str, device: str, path: str = ops.MEASURED_
     replaced = {(r["platform"], r["op"]) for r in new}
     kept = [r for r in table["measurements"] if (r["platform"], r["op"]) not in replaced]
     table["measurements"] = sorted(kept + new, key=lambda r: (r["platform"], r["op"]))
-    with open(path, "w") as f:
+    # Written whole or not at all: "auto" reads this file on every choice.
+    with open(path + ".tmp", "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
+    os.replace(path + ".tmp", path)
     print(f"recorded {len(new)} of {len(table['measurements'])} rows in {path}")
 
 
