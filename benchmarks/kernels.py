@@ -120,7 +120,7 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> Iterator[Ro
     @jax.jit
     def scores(cache, queries):
         return ops.index_scores(model, geometry, options,
-                                index_keys=pools.entries(cache, "csa_index"), layer=0,
+                                index_keys=pools.csa_entries(cache).index_keys, layer=0,
                                 page_rows=rows, index_q=queries.index_q[:, 0],
                                 index_weights=queries.index_weights[:, 0], q_pos=kv_end - 1,
                                 kv_end=kv_end)
@@ -131,7 +131,7 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> Iterator[Ro
                                      options=options)
 
     picks = ops.index_topk(model, geometry, cfg.Options(implementation="reference"),
-                           index_keys=pools.entries(cache, "csa_index"), layer=0,
+                           index_keys=pools.csa_entries(cache).index_keys, layer=0,
                            page_rows=rows, index_q=queries.index_q[:, 0],
                            index_weights=queries.index_weights[:, 0], q_pos=kv_end - 1,
                            kv_end=kv_end)
@@ -141,7 +141,7 @@ def bench_csa(batch, context, implementation, interpret, repeats) -> Iterator[Ro
         return ops.sparse_decode_attention(
             model, geometry, options, q=queries.q[:, 0], sink=queries.sink,
             window=pools.window_ring(cache), window_layer=0, slot_ids=slots, q_pos=kv_end - 1,
-            kv_end=kv_end, c4=pools.entries(cache, "csa"), c4_layer=0, page_rows=rows,
+            kv_end=kv_end, c4=pools.csa_entries(cache).c4, c4_layer=0, page_rows=rows,
             picks=picks)
 
     key_bytes = batch * entries * model.index_head_dim * 2
@@ -189,7 +189,7 @@ def bench_compress(tokens, implementation, interpret, repeats) -> Iterator[Row]:
     rng = np.random.default_rng(0)
     kv = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
     gate = jnp.asarray(rng.standard_normal((1, 1, tokens, spec.in_width)), jnp.float32)
-    tail = pools.tail(cache, "csa")
+    tail = pools.csa_tails(cache).main
     zero = jnp.zeros((1,), jnp.int32)
     options = cfg.Options(implementation=implementation, interpret=interpret)
 
@@ -203,7 +203,7 @@ def bench_compress(tokens, implementation, interpret, repeats) -> Iterator[Row]:
                                  norm=jnp.ones((1, spec.width), jnp.float32)),)
 
     nbytes = 2 * tokens * spec.in_width * 4 + (tokens // spec.ratio) * spec.width * 2
-    first, seconds = timed(emit, (jnp.copy(pools.entries(cache, "csa")), kv, gate), repeats)
+    first, seconds = timed(emit, (jnp.copy(pools.csa_entries(cache).c4), kv, gate), repeats)
     impl = ops.choose("emit_entries", model, geometry, options).implementation
     yield Row("compressor prefill (csa)", impl, 1, tokens, first, seconds, nbytes)
 

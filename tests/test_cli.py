@@ -34,6 +34,18 @@ def test_memory_of_flash_preset(capsys):
     assert "CSA 6720.00 B, HCA 160.00 B, total 6880.00 B" in capsys.readouterr().out
 
 
+def test_memory_with_hisparse(capsys):
+    assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576",
+                     "--hot-rows", "1024"]) == 0
+    out = capsys.readouterr().out
+    # The C4 entries (21 x 584 B / 4 = 3066 B/token) leave the device; 21 hot sets of 1024
+    # rows of 584 + 8 B join the State: 5,057,544 + 21 x 1024 x 592 = 17,787,912 B.
+    assert "device Classical 448.25 B/token, host 3066.00 B/token" in out
+    assert "(17,787,912 B) per request" in out
+    assert ("device 465.21 MiB (Classical 448.25 MiB + State with hot sets 16.96 MiB), "
+            "host 3,066.00 MiB") in out
+
+
 def test_ci_runs_the_readme_test_command():
     readme = open(os.path.join(ROOT, "README.md")).read()
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
@@ -66,6 +78,9 @@ def test_ci_runs_the_readme_test_command():
     (["memory", "--tokens", "-5"], "argument --tokens: expected an integer >= 1; got '-5'"),
     (["memory", "--tokens", "0"], "argument --tokens: expected an integer >= 1; got '0'"),
     (["memory", "--tokens", "1e6"], "argument --tokens: expected an integer >= 1; got '1e6'"),
+    (["memory", "--hot-rows", "100"], "argument --hot-rows: expected 0 or at least the flash "
+                                      "preset's index_topk=512; got 100"),
+    (["memory", "--hot-rows", "-1"], "argument --hot-rows: expected an integer >= 0; got '-1'"),
 ])
 def test_nonsensical_options_are_rejected_by_name(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

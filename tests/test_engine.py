@@ -9,6 +9,7 @@ snapshot is recomputed, deeper ones replay 2 pages from the empty State.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -122,6 +123,22 @@ def test_hits_of_every_depth():
     (hit,) = eng.generate([BASE[:512]], 3)
     assert restore(hit) == (384, 0, "snapshot", "device")
     assert_same(hit, cold(eng, BASE[:512], 3))
+
+
+def test_hits_with_the_c4_entries_in_host_memory():
+    """HiSparse with the prefix cache on: the shared pages' C4 entries live on the host, a
+    hit starts with an empty hot set and equals the cold run and the all-on-device engine."""
+    geometry = dataclasses.replace(GEOMETRY, hot_rows=16, c4_tier="host")
+    eng = Engine(DECODER, geometry, prefill_chunk=CHUNK, keep_logits=True)
+    eng.generate([BASE[:450]], 2)
+    prompt = BASE[:400] + [1, 2, 3]
+    (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (384, 0, "snapshot", "device")
+    assert_same(hit, cold(eng, prompt))
+    (on_device,) = engine().generate([prompt], 4)
+    assert_same(hit, on_device)
+    assert pools.csa_entries(eng.cache).c4.sharding.memory_kind == "pinned_host"
+    assert eng.memory_report().cache.host_bytes["classical"] > 0
 
 
 # --- the stale-state class, isolation, refcounts -----------------------------------------

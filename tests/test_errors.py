@@ -297,10 +297,12 @@ def test_decode_attention_all_checks_slots_and_queries():
 def test_pool_accessors_and_host_objects_name_their_bad_arguments():
     cache = v4.init_cache(MODEL, GEOMETRY)
     for accessor in (pools.entries, pools.tail):
-        with pytest.raises(ValueError, match=r"name: expected one of \('csa', 'csa_index', "
-                                             r"'hca'\); got 'c4'"):
-            accessor(cache, "c4")
-    with pytest.raises(ValueError, match=r"name: expected one of .*; got 'window'"):
+        with pytest.raises(TypeError, match=r"spec: expected a layout.CompressorSpec \(one of "
+                                            r"cache.specs\); got 'csa' \(one kind's arrays: "
+                                            r"pools.csa_entries"):
+            accessor(cache, "csa")
+    with pytest.raises(TypeError, match=r"spec: expected a layout.CompressorSpec .*; got "
+                                        r"'window'"):
         pools.with_entries(cache, "window", pools.window_ring(cache))
     with pytest.raises(TypeError, match=r"geometry: expected a CacheConfig; got dict"):
         CacheManager(MODEL, {}, synthetic.SyntheticBatch.draw(MODEL, 1, 1).weights)
@@ -316,7 +318,7 @@ def test_the_read_door_names_its_bad_arguments():
     ends = jnp.ones(2, jnp.int32)
     window = ops.WindowKeys(pools.window_ring(cache)[layer, :2], ends)
     stored = ops.Stored(jnp.int32(0), pools.page_rows(cache, jnp.arange(2)),
-                        pools.entries(cache, "csa"), pools.entries(cache, "csa_index"))
+                        pools.csa_entries(cache).c4, pools.csa_entries(cache).index_keys)
 
     def read(kind=LayerKind.CSA, q=queries, **kw):
         args = dict(q_pos=ends[:, None] - 1, kv_end=ends, window=window, stored=stored) | kw

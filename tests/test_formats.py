@@ -55,11 +55,11 @@ def _round_trip(codec, x):
 
 def _stored_entries(cache, name, slot, count):
     """[n_kind, count, sw] stored rows of entries 0..count-1 of `slot`, as stored."""
-    epp = cache.geometry.entries_per_page(
-        {s.name: s for s in cache.specs}[name].ratio)
+    spec = {s.name: s for s in cache.specs}[name]
+    epp = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[slot])
     idx = np.arange(count)
-    return np.asarray(pools.entries(cache, name))[:, table[idx // epp], idx % epp]
+    return np.asarray(pools.entries(cache, spec))[:, table[idx // epp], idx % epp]
 
 
 def _run(model, geometry, data, plan, chunk=32):
@@ -266,7 +266,7 @@ def test_memory_report_counts_the_stored_bytes(formats):
                                            max_pages_per_seq=2)
     cache = synthetic.random_cache(WIDE, geometry, [130, 40])
     report = pools.memory_report(cache)
-    classical = sum(pools.entries(cache, s.name).nbytes for s in cache.specs)
+    classical = sum(pools.entries(cache, s).nbytes for s in cache.specs)
     assert report.page_bytes * geometry.num_pages == classical
     assert report.state_bytes_total == 2 * report.state_bytes_per_request
     assert report.pages_used == 3 and report.allocated_bytes == 3 * report.page_bytes
@@ -274,10 +274,10 @@ def test_memory_report_counts_the_stored_bytes(formats):
     assert report.entry_bytes == (row["csa"] + row["csa_index"]) * (130 // 4 + 40 // 4) + (
         row["csa"] * (130 // 16 + 40 // 16))
     if formats == "release":
-        assert pools.entries(cache, "csa").shape == (1, 3, 32, 146)
-        assert pools.entries(cache, "csa_index").shape == (1, 3, 32, 17)
-        assert pools.entries(cache, "csa").dtype == jnp.uint32
-        assert isinstance(pools.tail(cache, "hca"), pools.OnlineTail)
+        assert pools.csa_entries(cache).c4.shape == (1, 3, 32, 146)
+        assert pools.csa_entries(cache).index_keys.shape == (1, 3, 32, 17)
+        assert pools.csa_entries(cache).c4.dtype == jnp.uint32
+        assert isinstance(pools.hca_tail(cache), pools.OnlineTail)
 
 
 # --- configuration errors ---------------------------------------------------------------------
@@ -355,14 +355,14 @@ def test_kernels_on_packed_pools_and_online_tails_never_read_unowned_rows(implem
 def test_poison_fills_unowned_packed_rows_with_nan_words():
     cache = synthetic.random_cache(TINY, RELEASE, [40], fill_unused=float("nan"))
     poisoned = synthetic.poison_unowned(cache)
-    c4 = np.asarray(pools.entries(poisoned, "csa"))
+    c4 = np.asarray(pools.csa_entries(poisoned).c4)
     assert (c4[:, 0, 10:] == 0xFFFFFFFF).all() and (c4[:, 1:] == 0xFFFFFFFF).all()
     assert (c4[:, 0, :10] != 0xFFFFFFFF).any()
     decode = jax.jit(storage.codec(TINY, RELEASE, "csa").decode)
     assert np.isnan(np.asarray(decode(c4[:, 1]))).all()
     ring = np.asarray(pools.window_ring(poisoned))
     assert (ring[:, 1:] == 0xFFFFFFFF).all() and (ring[:, 0, 24:] != 0xFFFFFFFF).all()
-    hca = pools.tail(poisoned, "hca")  # 40 % 16 = 8 tokens in the open block: owned
+    hca = pools.hca_tail(poisoned)  # 40 % 16 = 8 tokens in the open block: owned
     assert not np.isnan(np.asarray(hca.sum[:, 0])).any()
     assert np.isnan(np.asarray(hca.sum[:, 1:])).all()
 
@@ -377,8 +377,8 @@ def test_snapshot_round_trip_with_packed_window_and_online_tails():
     keep = jax.tree.map(np.asarray, snap)
     wiped = pools.with_window_ring(cache, jnp.full_like(pools.window_ring(cache), 0xFFFFFFFF))
     for spec in wiped.specs:
-        wiped = pools.with_tail(wiped, spec.name, jax.tree.map(
-            lambda x: jnp.full_like(x, jnp.nan), pools.tail(wiped, spec.name)))
+        wiped = pools.with_tail(wiped, spec, jax.tree.map(
+            lambda x: jnp.full_like(x, jnp.nan), pools.tail(wiped, spec)))
     restored = pools.restore_state(wiped, 0, snap)
     again = pools.snapshot_state(restored, 0)
     for a, b in zip(jax.tree.leaves(keep), jax.tree.leaves(again), strict=True):

@@ -44,12 +44,12 @@ def owned_state(cache) -> dict[str, np.ndarray]:
         "refcount": np.asarray(cache.pages.refcount),
     }
     for spec in cache.specs:
-        tail = pools.tail(cache, spec.name)  # a ring (kv, gate) or an online tail
+        tail = pools.tail(cache, spec)  # a ring (kv, gate) or an online tail
         for field in dataclasses.fields(tail):
             out[f"{spec.name}.{field.name}"] = np.where(
                 masks[f"{spec.name}_tail"], np.asarray(getattr(tail, field.name)), 0)
         out[f"{spec.name}.entries"] = np.where(masks[f"{spec.name}_entries"],
-                                               np.asarray(pools.entries(cache, spec.name)), 0)
+                                               np.asarray(pools.entries(cache, spec)), 0)
     return out
 
 
@@ -113,12 +113,12 @@ def test_poison_reaches_every_unowned_row():
     assert not np.isnan(np.asarray(pools.window_ring(cache)[:, 0])).any()
     assert np.isnan(np.asarray(pools.window_ring(cache)[:, 1:])).all()
     page = int(cache.pages.page_table[0, 0])
-    c4 = np.asarray(pools.entries(cache, "csa")[:, page])
+    c4 = np.asarray(pools.csa_entries(cache).c4[:, page])
     assert not np.isnan(c4[:, :7]).any() and np.isnan(c4[:, 7:]).all()
-    c128 = np.asarray(pools.entries(cache, "hca")[:, page])
+    c128 = np.asarray(pools.hca_entries(cache).c128[:, page])
     assert not np.isnan(c128[:, :1]).any() and np.isnan(c128[:, 1:]).all()
     others = np.delete(np.arange(GEOMETRY.num_pages), page)
-    assert np.isnan(np.asarray(pools.entries(cache, "csa")[:, others])).all()
+    assert np.isnan(np.asarray(pools.csa_entries(cache).c4[:, others])).all()
     # HCA tail ring (16 rows): positions 16..29 are the open block, rows 30 % 16.. are stale.
     hca = np.asarray(cache.state.hca.kv[:, 0])
     open_rows = np.arange(16, 30) % 16
@@ -202,7 +202,7 @@ def test_generator_output_does_not_depend_on_what_its_cache_held(decoder):
         status = used.cache.state.status
         stale = used.cache.replace(state=used.cache.state.replace(status=jnp.zeros_like(status)))
         poisoned = synthetic.poison_unowned(stale, value)
-        assert np.isnan(np.asarray(pools.entries(poisoned, "csa"))).all() == np.isnan(value)
+        assert np.isnan(np.asarray(pools.csa_entries(poisoned).c4)).all() == np.isnan(value)
         used.cache = poisoned.replace(state=poisoned.state.replace(status=status))
         got = used.generate(prompts[1:])
         np.testing.assert_array_equal(got.tokens, want.tokens)

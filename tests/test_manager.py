@@ -117,8 +117,8 @@ def test_reused_slot_gives_the_same_result_as_a_fresh_pool():
         np.testing.assert_array_equal(getattr(used.cache.state, name)[:, 0],
                                       getattr(fresh.cache.state, name)[:, 0])
     for s in used.cache.specs:
-        np.testing.assert_array_equal(pools.tail(used.cache, s.name).kv[:, 0],
-                                      pools.tail(fresh.cache, s.name).kv[:, 0])
+        np.testing.assert_array_equal(pools.tail(used.cache, s).kv[:, 0],
+                                      pools.tail(fresh.cache, s).kv[:, 0])
     assert used.memory_report().pages_used == 1
 
 

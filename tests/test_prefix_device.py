@@ -57,7 +57,7 @@ def poisoned(cache, slot, value=np.nan):
 
 
 def classical(cache):
-    return {s.name: np.asarray(pools.entries(cache, s.name)).copy() for s in cache.specs}
+    return {s.name: np.asarray(pools.entries(cache, s)).copy() for s in cache.specs}
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_continuing_past_the_boundary(prefilled, data):
     after = shared_rows(cache)
     for name in before:
         assert after[name].tobytes() == before[name].tobytes(), name
-    c = {s.name: np.asarray(pools.entries(cache, s.name)) for s in cache.specs}
+    c = {s.name: np.asarray(pools.entries(cache, s)) for s in cache.specs}
     for name, x in c.items():  # the new entries of each slot's own page agree too
         np.testing.assert_array_equal(x[:, own[0]], x[:, own[1]], err_msg=name)
         np.testing.assert_array_equal(x[:, own[0]], x[:, own[2]], err_msg=name)

@@ -152,7 +152,7 @@ def logical_entries(cache, name: str, count: int) -> np.ndarray:
     spec = next(s for s in cache.specs if s.name == name)
     per_page = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[0])
-    pool = np.asarray(pools.entries(cache, name)[0])
+    pool = np.asarray(pools.entries(cache, spec)[0])
     i = np.arange(count)
     return pool[table[i // per_page], i % per_page]
 

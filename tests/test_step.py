@@ -41,7 +41,7 @@ def logical_entries(cache, name: str, kind_layer: int, slot: int, count: int) ->
     spec = next(s for s in cache.specs if s.name == name)
     epp = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[slot])
-    pool = np.asarray(pools.entries(cache, name)[kind_layer])
+    pool = np.asarray(pools.entries(cache, spec)[kind_layer])
     i = np.arange(count)
     return pool[table[i // epp], i % epp]
 
@@ -82,7 +82,7 @@ def test_l130_worked_example(spec_example):
     for p in range(2, 130):
         np.testing.assert_array_equal(ring[:, p % 128], data.window[:, 0, p])
     # CSA tail: first halves of 124..127 and the open block 128, 129 at rows p % 8.
-    tail = np.asarray(cache.state.csa.kv[0, 0])
+    tail = np.asarray(cache.state.csa.main.kv[0, 0])
     for p in range(124, 130):
         np.testing.assert_array_equal(tail[p % 8], data.compressors["csa"][0][0, 0, p])
     hca_tail = np.asarray(cache.state.hca.kv[0, 0])
@@ -108,7 +108,7 @@ def test_visibility_at_block_edges(spec_example):
     q_pos = jnp.asarray([[2, 3, 126, 127]])
     queries = data.queries(1, np.asarray(q_pos))
     picks = indexer.index_topk(SPEC_MODEL, SPEC_GEOMETRY, v4.Options(),
-                               index_keys=pools.entries(cache, "csa_index"), layer=0,
+                               index_keys=pools.csa_entries(cache).index_keys, layer=0,
                                page_rows=cache.pages.page_table[:1], index_q=queries.index_q,
                                index_weights=queries.index_weights, q_pos=q_pos,
                                kv_end=jnp.asarray([130]))
@@ -126,7 +126,7 @@ def test_visibility_at_block_edges(spec_example):
             window_keys=attention.ordered_window(ring, jnp.asarray([130])),
             window_base=jnp.asarray([2])))
 
-    c128 = pools.entries(cache, "hca")
+    c128 = pools.hca_entries(cache).c128
     changed = c128.at[0, 0, 0].set(c128[0, 0, 0] * -3.0)
     a, b = out(c128), out(changed)
     np.testing.assert_array_equal(a[0, :3], b[0, :3])
@@ -139,8 +139,8 @@ def test_visibility_at_block_edges(spec_example):
 def _state_arrays(cache, slot: int) -> dict[str, np.ndarray]:
     return {
         "window": np.asarray(pools.window_ring(cache)[:, slot]),
-        **{f"{s.name}.kv": np.asarray(pools.tail(cache, s.name).kv[:, slot]) for s in cache.specs},
-        **{f"{s.name}.gate": np.asarray(pools.tail(cache, s.name).gate[:, slot])
+        **{f"{s.name}.kv": np.asarray(pools.tail(cache, s).kv[:, slot]) for s in cache.specs},
+        **{f"{s.name}.gate": np.asarray(pools.tail(cache, s).gate[:, slot])
            for s in cache.specs},
     }
 
@@ -207,7 +207,7 @@ def test_stored_state_follows_lengths(lengths, sizes, seed):
         for p in range(max(0, L - W), L):
             np.testing.assert_array_equal(ring[:, s, p % W], data.window[:, s, p])
         for spec in cache.specs:
-            m, tail = spec.ratio, pools.tail(cache, spec.name)
+            m, tail = spec.ratio, pools.tail(cache, spec)
             kv, gate = data.compressors[spec.name]
             params = getattr(data.weights, spec.name)
             ape, norm = np.asarray(params.ape), np.asarray(params.norm)
@@ -362,7 +362,7 @@ def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypa
     want_out, want_picks = run(jax.tree.map(jnp.copy, cache))
     calls = []
 
-    def nothing_resident(picks, stored):
+    def nothing_resident(picks, q_pos, stored):
         calls.append(picks.shape)
         return jnp.full_like(picks, -1), stored
 
@@ -374,7 +374,7 @@ def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypa
     # With no entry readable the layer reads its window alone (the reference, no pick).
     window_only = attention.attend(
         MODEL, GEOMETRY, OPTIONS, LayerKind.CSA, layer=MODEL.kind_index(layer),
-        entries=pools.entries(cache, "csa"), picks=jnp.full((2, tokens, MODEL.index_topk), -1),
+        entries=pools.csa_entries(cache).c4, picks=jnp.full((2, tokens, MODEL.index_topk), -1),
         page_rows=pools.page_rows(cache, jnp.arange(2)), q=inputs[1].q, sink=inputs[1].sink,
         q_pos=jnp.asarray(pos, jnp.int32), kv_end=jnp.asarray(lengths + tokens, jnp.int32),
         window_keys=jnp.concatenate([attention.ordered_window(

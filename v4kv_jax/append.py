@@ -263,24 +263,24 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     kv = inputs.kv.astype(jnp.float32)
     gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
                                                                               params.ape)
-    tail = pools.tail(cache, spec.name)
-    if pools.online_tail(geo, spec.name):
+    tail = pools.tail(cache, spec)
+    if pools.online_tail(geo, spec):
         pool, tail = ops.emit_entries_online(
             spec, model, geo, options,
-            pool=None if plan.state_only else pools.entries(cache, spec.name),
+            pool=None if plan.state_only else pools.entries(cache, spec),
             page_rows=pools.page_rows(cache, plan.slot_ids), layers=layers, tail=tail,
             slot_ids=plan.slot_ids, kv=kv, gate=gate, start=plan.start, n_new=plan.n_new,
             norm=params.norm)
         if pool is not None:
-            cache = pools.with_entries(cache, spec.name, pool)
-        return pools.with_tail(cache, spec.name, tail)
+            cache = pools.with_entries(cache, spec, pool)
+        return pools.with_tail(cache, spec, tail)
     if not plan.state_only:
         pool = ops.emit_entries(
-            spec, model, geo, options, pool=pools.entries(cache, spec.name),
+            spec, model, geo, options, pool=pools.entries(cache, spec),
             page_rows=pools.page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
             tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
             start=plan.start, n_new=plan.n_new, norm=params.norm)
-        cache = pools.with_entries(cache, spec.name, pool)
+        cache = pools.with_entries(cache, spec, pool)
         # The emission read the tails: the writes below must come after it.
         kv, gate = after(kv, pool), after(gate, pool)
 
@@ -290,7 +290,7 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
         kv=tail.kv.at[idx].set(storage.encode(kv, tail.kv), mode="drop"),
         gate=tail.gate.at[idx].set(storage.encode(gate, tail.gate), mode="drop"),
     )
-    return pools.with_tail(cache, spec.name, new_tail)
+    return pools.with_tail(cache, spec, new_tail)
 
 
 def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,

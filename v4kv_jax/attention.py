@@ -79,9 +79,9 @@ def _softmax_fold(state: _Softmax, q: jax.Array, keys: jax.Array, visible: jax.A
     )
 
 
-def _fold_key_sets(state: _Softmax, q: jax.Array, key_sets) -> _Softmax:
-    """Folds (keys, visible) sets into the softmax; with T = 1 they are joined into one."""
-    if q.shape[1] == 1 and len(key_sets) > 1:
+def _fold_key_sets(state: _Softmax, q: jax.Array, key_sets, join: bool) -> _Softmax:
+    """Folds (keys, visible) sets into the softmax; with `join` (T = 1) into one set."""
+    if join and len(key_sets) > 1:
         per_slot = [k[:, 0] if k.ndim == 4 else k for k, _ in key_sets]
         key_sets = [(jnp.concatenate(per_slot, axis=1),
                      jnp.concatenate([v for _, v in key_sets], axis=2))]
@@ -100,7 +100,8 @@ def ordered_window(ring: jax.Array, kv_end: jax.Array) -> jax.Array:
 def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind: LayerKind, *,
            layer, entries: jax.Array | None, page_rows: jax.Array, q: jax.Array,
            sink: jax.Array, q_pos: jax.Array, kv_end: jax.Array, window_keys: jax.Array,
-           window_base: jax.Array, picks: jax.Array | None = None) -> jax.Array:
+           window_base: jax.Array, picks: jax.Array | None = None,
+           one_query: bool | None = None) -> jax.Array:
     """Attention output of one layer before the output projection, de-rotated.
 
     Args:
@@ -117,11 +118,15 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
         window_base + i.
       window_base: i32[B].
       picks: CSA only: i32[B, T, k] entries chosen by the indexer (-1 = none).
+      one_query: fold the key sets as for one query per row (joined into one softmax step);
+        default T == 1. A chunk read a few queries at a time passes the chunk's choice, so
+        that its outputs keep the bits of a whole-chunk read.
 
     Returns:
       f32[B, T, H, hd].
     """
     q = q.astype(jnp.float32)
+    join = q.shape[1] == 1 if one_query is None else one_query
     key_pos = window_base[:, None] + jnp.arange(window_keys.shape[1], dtype=jnp.int32)
     readable = (key_pos >= 0) & (key_pos < kv_end[:, None])
     visible = ((key_pos[:, None, :] <= q_pos[..., None])
@@ -148,7 +153,7 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
         if page_rows.shape[1] <= chunk_pages:  # one read covers every page: no loop
             key_sets.append(chunk(page_rows, 0))
         else:
-            state = _fold_key_sets(state, q, key_sets)
+            state = _fold_key_sets(state, q, key_sets, join)
             key_sets = []
             state = paging.fold_page_chunks(
                 page_rows, kv_end // m, epp, chunk_pages,
@@ -160,7 +165,7 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
         picked, present = paging.gather_entries(entries, layer, page_rows, picks)
         key_sets.append((storage.codec(model, geometry, "csa").decode(picked), present))
 
-    state = _fold_key_sets(state, q, key_sets)
+    state = _fold_key_sets(state, q, key_sets, join)
     out = state.acc / state.denom[..., None]
     return rope.rotate(out, q_pos[..., None], rope.inv_frequencies(model, kind), inverse=True)
 

@@ -227,8 +227,13 @@ def memory(args) -> int:
         formats = cfg.PRESET_FORMATS[args.preset]
     checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
     model = cfg.PRESETS[args.preset]()
+    hot_rows = checks.integer("--hot-rows", getattr(args, "hot_rows", 0), lo=0)
+    problem = _memory_problem(args)
+    if problem:
+        raise ValueError(problem)
     geometry = cfg.CacheConfig.with_formats(formats, num_pages=1, max_slots=1,
-                                            max_pages_per_seq=1)
+                                            max_pages_per_seq=1, hot_rows=hot_rows,
+                                            c4_tier="host" if hot_rows else "device")
     per_token = pools.classical_bytes_per_token(model, geometry)
     state = pools.state_bytes_per_request(model, geometry)
     pages = -(-args.tokens // geometry.page_tokens)
@@ -250,6 +255,15 @@ def memory(args) -> int:
     _say(f"At {args.tokens:,} tokens: Classical {_mib(classical)} in {pages:,} pages "
          f"(page padding {padding}), State {_mib(state)} ({state:,} B) per request, dense "
          f"per-token cache {_mib(dense)}")
+    if hot_rows:
+        device = pools.device_bytes_per_token(model, geometry)
+        host = per_token["total"] - device
+        device_request = pages * pools.page_bytes(model, geometry) * device / per_token["total"]
+        _say(f"HiSparse (C4 entries on the host, {hot_rows} hot rows per CSA layer and "
+             f"request): device Classical {device:.2f} B/token, host {host:.2f} B/token; at "
+             f"{args.tokens:,} tokens per request: device {_mib(device_request + state)} "
+             f"(Classical {_mib(device_request)} + State with hot sets {_mib(state)}), host "
+             f"{_mib(classical - device_request)}")
     return 0
 
 
@@ -257,7 +271,7 @@ def memory(args) -> int:
 # and `memory` check them again when called with a hand-made namespace.
 BOUNDS = {"lengths": (1, None), "decode_steps": (0, None), "chunk": (1, None),
           "pages": (1, None), "seed": (0, 2**32 - 1), "new_tokens": (1, None),
-          "vocab": (1, None), "tokens": (1, None)}
+          "vocab": (1, None), "tokens": (1, None), "hot_rows": (0, None)}
 
 
 def _check_namespace(args, options: tuple[str, ...]) -> None:
@@ -291,6 +305,15 @@ def _int_option(lo: int, hi: int | None = None):
 
     parse.__name__ = "integer"
     return parse
+
+
+def _memory_problem(args) -> str | None:
+    """What is wrong with a combination of `v4kv memory` options."""
+    hot_rows, topk = getattr(args, "hot_rows", 0), cfg.PRESETS[args.preset]().index_topk
+    if hot_rows and hot_rows < topk:
+        return (f"--hot-rows: expected 0 or at least the {args.preset} preset's "
+                f"index_topk={topk}; got {hot_rows}")
+    return None
 
 
 def _demo_problem(args) -> str | None:
@@ -332,7 +355,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=option["tokens"], default=1 << 20)
     p.add_argument("--formats", choices=tuple(cfg.FORMAT_SETS), default=None,
                    help="storage formats (default: the preset's, release for flash and pro)")
-    p.set_defaults(run=memory, problem=lambda args: None, parser=p)
+    p.add_argument("--hot-rows", type=option["hot_rows"], default=0,
+                   help="HiSparse: keep the C4 entries on the host and this many device rows "
+                        "per CSA layer and request (0: everything on the device)")
+    p.set_defaults(run=memory, problem=_memory_problem, parser=p)
     args = parser.parse_args(argv)
     problem = args.problem(args)
     if problem:

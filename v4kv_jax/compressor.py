@@ -173,9 +173,9 @@ def write_entries(spec: CompressorSpec, config: AttentionConfig, geometry: Cache
     format and writes those marked `done` into their page and row (absent pages: dropped)."""
     page, row = paging.entry_pages(page_rows, jnp.where(done, block, -1),
                                    geometry.entries_per_page(spec.ratio))
-    page = jnp.where(page >= 0, page, pool.shape[1])  # absent -> out of bounds -> dropped
     stored = storage.codec(config, geometry, spec.name).encode(entries)
-    return pool.at[layers[:, None, None], page[None], row[None]].set(stored, mode="drop")
+    return pools.put_rows(pool, layers[:, None, None], page[None], row[None], stored,
+                          host=pools.on_host(geometry, spec))
 
 
 def _rounded(x: jax.Array) -> jax.Array:

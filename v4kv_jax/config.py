@@ -228,6 +228,7 @@ WINDOW_FORMATS = STORAGE_FORMATS + ("fp8_latent",)
 # How the HCA compressor keeps its open block: an online softmax (3 x hd floats per layer) or
 # the raw ring of its (kv, gate) rows (m' x 2 hd floats per layer).
 HCA_TAILS = ("online", "ring")
+C4_TIERS = ("device", "host")
 
 # Named sets of storage fields for `CacheConfig.with_formats` (and `v4kv memory --formats`).
 # "release": the formats of the official V4 release (its reference fake-quantises at the same
@@ -271,6 +272,14 @@ class CacheConfig:
       hca_tail: how the HCA compressor keeps its open block: "online" (running max, sum of
         exponentials and weighted sum, 3 x hd values per layer; `pools.OnlineTail`) or "ring"
         (the block's raw kv and gate rows; `pools.Tail`).
+      hot_rows: HiSparse's hot set (`v4kv_jax.hot`): 0 (the default) reads C4 entries
+        straight from the Classical pool; H > 0 keeps, per CSA layer and slot, H device rows
+        holding the entries the indexer picked (least recently used out), and the sparse read
+        reads only those. At least the model's index_topk; reads are bit-identical either way.
+      c4_tier: where the CSA layers' C4 entries live: "device" or "host" (JAX's host memory
+        space, `jax.memory.Space.Host`; HiSparse: needs hot_rows > 0, the read fetches the
+        picks into the hot rows and new entries are written there as they are emitted).
+        Indexer keys, C128 entries, the window and the tails stay on the device.
 
     The float32 defaults store every value exactly as computed. `CacheConfig.with_formats`
     builds a config with a named set of formats (`FORMAT_SETS`: "release", "float32",
@@ -286,18 +295,24 @@ class CacheConfig:
     tail_dtype: str = "float32"
     index_dtype: str = "float32"
     hca_tail: str = "ring"
+    hot_rows: int = 0
+    c4_tier: str = "device"
 
     def __post_init__(self):
         for name in ("num_pages", "max_slots", "max_pages_per_seq", "page_tokens"):
             checks.integer(name, getattr(self, name), lo=1)
+        checks.integer("hot_rows", self.hot_rows, lo=0)
         if self.page_tokens % SUPERBLOCK_TOKENS:
             checks.fail("page_tokens", f"a positive multiple of {SUPERBLOCK_TOKENS} (lcm of the "
                         "compression ratios)", self.page_tokens)
         allowed = {"entry_dtype": ENTRY_FORMATS, "index_dtype": INDEX_FORMATS,
                    "window_dtype": WINDOW_FORMATS, "tail_dtype": STORAGE_FORMATS,
-                   "hca_tail": HCA_TAILS}
+                   "hca_tail": HCA_TAILS, "c4_tier": C4_TIERS}
         for name, choices in allowed.items():
             checks.one_of(name, getattr(self, name), choices)
+        if self.c4_tier == "host" and not self.hot_rows:
+            checks.fail("hot_rows", "a hot set (at least the model's index_topk) with "
+                        "c4_tier='host': reads fetch C4 entries into it", 0)
 
     @classmethod
     def with_formats(cls, formats: str, **fields) -> CacheConfig:
@@ -318,6 +333,9 @@ class CacheConfig:
         if self.page_tokens % lcm:
             checks.fail("page_tokens", f"a multiple of lcm(csa_ratio, hca_ratio)={lcm}",
                         self.page_tokens)
+        if self.hot_rows and self.hot_rows < model.index_topk:
+            checks.fail("hot_rows", f"0 (no hot set) or at least the model's index_topk="
+                        f"{model.index_topk}", self.hot_rows)
 
     def entries_per_page(self, ratio: int) -> int:
         return self.page_tokens // ratio

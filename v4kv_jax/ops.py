@@ -53,6 +53,7 @@ import numpy as np
 from flax import struct
 
 from v4kv_jax import attention, checks, compressor, indexer, pools, rope, storage
+from v4kv_jax import hot as hot_set
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -206,13 +207,14 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
     donation). Arguments as `compressor.emit_entries`; returns the updated pool.
 
     The Pallas kernels alias the pool to their output and donate it: called outside jit,
-    the `pool` passed in is consumed (use the returned one).
+    the `pool` passed in is consumed (use the returned one). A pool in host memory (C4
+    entries with c4_tier="host") is written by the reference, which writes there.
     """
     arrays = dict(pool=pool, page_rows=page_rows, layers=layers, tail_kv=tail_kv,
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
     kernel, choice = _kernel("emit_entries", model, geometry, options)
-    if kernel is None:
+    if kernel is None or pools.on_host(geometry, spec):
         return compressor.emit_entries(spec, model, geometry, **arrays)
     codec = storage.codec(model, geometry, spec.name)
     return kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
@@ -348,22 +350,37 @@ class Stored:
       entries: the kind's entries of every layer (C4 [n_csa, ...] for CSA, C128 [n_hca, ...]
         for HCA; None for SWA).
       index_keys: CSA only: the indexer keys [n_csa, ...].
+      hot: CSA only, with `CacheConfig.hot_rows` > 0: the layer's hot sets of the rows
+        (`pools.hot_rows`, [B, H, ...]); the sparse read reads only them.
+      on_host: CSA only: the C4 entries live in host memory (c4_tier="host"; static); then
+        `hot` is required.
     """
 
     layer: jax.Array
     page_rows: jax.Array
     entries: jax.Array | None = None
     index_keys: jax.Array | None = None
+    hot: pools.HotSet | None = None
+    on_host: bool = struct.field(pytree_node=False, default=False)
 
 
-def make_resident(picks: jax.Array, stored: Stored) -> tuple[jax.Array, Stored]:
+def make_resident(picks: jax.Array, q_pos: jax.Array, stored: Stored
+                  ) -> tuple[jax.Array, Stored]:
     """The one place where a CSA layer's picked entries are made readable before the sparse
-    read. Returns (the ids the sparse read uses, the stored arrays it reads them from): every
-    entry lives in the device pool today, so both pass through unchanged. A host tier of C4
-    entries copies the picks that are not resident into device rows here and returns the
-    picks remapped to those rows. `read` returns the indexer's picks, never the remapped
-    ids."""
-    return picks, stored
+    read: (the ids the sparse read uses, the `Stored` it reads them from).
+
+    Without a hot set both pass through unchanged. With one (`stored.hot`), the picks
+    i32[B, G, k] of G queries at positions q_pos i32[B, G] (at most hot_rows distinct) are
+    copied into the rows' hot rows where not there yet (`hot.resident`), and the read gets
+    the hot rows as its pool, the picks renamed to the rows holding them, and the new hot
+    sets in `Stored.hot`. `read` returns the indexer's picks, never the renamed ids."""
+    if stored.hot is None:
+        return picks, stored
+    rows, hot = hot_set.resident(picks, q_pos, stored.hot, stored.entries, stored.layer,
+                                 stored.page_rows, host=stored.on_host)
+    entries, page_rows = hot_set.as_pages(hot)
+    return rows, stored.replace(layer=jnp.zeros((), jnp.int32), page_rows=page_rows,
+                                entries=entries, hot=hot)
 
 
 def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
@@ -382,9 +399,10 @@ def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
       stored: the layer's stored entries (`Stored`).
 
     Returns:
-      (f32[B, T, H, hd] de-rotated, the CSA picks i32[B, T, k] or None). One query per row
-      whose ring holds every key (decode) runs the kernels `options` choose; a longer chunk
-      runs the reference, `options.query_tile` queries at a time.
+      (f32[B, T, H, hd] de-rotated, the CSA picks i32[B, T, k] or None, the rows' new hot
+      sets (`pools.HotSet` [B, H, ...]) of a CSA layer with a hot set, else None). One query
+      per row whose ring holds every key (decode) runs the kernels `options` choose; a
+      longer chunk runs the reference, `options.query_tile` queries at a time.
     """
     options = _options(options)
     _check_read(kind, model, queries, q_pos, kv_end, window, stored)
@@ -413,6 +431,15 @@ def _check_read(kind, model, queries, q_pos, kv_end, window, stored) -> None:
     for field in needed:
         if getattr(stored, field) is None:
             checks.fail(f"stored.{field}", f"the stored array of a {kind.name} layer", None)
+    if stored.on_host and stored.hot is None:
+        checks.fail("stored.hot", "the rows' hot sets: C4 entries in host memory are read "
+                    "through them", None)
+    if stored.hot is not None:
+        if kind != LayerKind.CSA:
+            checks.fail("stored.hot", f"None for a {kind.name} layer (hot sets are CSA's)",
+                        "a HotSet")
+        checks.shape("stored.hot.rows", stored.hot.rows,
+                     (batch, None, stored.entries.shape[-1]))
     if kind == LayerKind.CSA and (queries.index_q is None or queries.index_weights is None):
         checks.fail("queries.index_q / queries.index_weights", "the indexer queries of a CSA "
                     "layer", None)
@@ -423,38 +450,75 @@ def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window,
     ring of one layer whose slot b is row b."""
     common = dict(q=queries.q[:, 0], sink=queries.sink, window=window.ring[None],
                   window_layer=0, slot_ids=jnp.arange(q_pos.shape[0], dtype=jnp.int32),
-                  q_pos=q_pos, kv_end=kv_end, page_rows=stored.page_rows)
+                  q_pos=q_pos, kv_end=kv_end)
     if kind == LayerKind.HCA:
         out = dense_decode_attention(model, geometry, options, c128=stored.entries,
-                                     c128_layer=stored.layer, **common)
-        return out[:, None], None
+                                     c128_layer=stored.layer, page_rows=stored.page_rows,
+                                     **common)
+        return out[:, None], None, None
     picks = index_topk(model, geometry, options, index_keys=stored.index_keys,
                        layer=stored.layer, page_rows=stored.page_rows,
                        index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
                        q_pos=q_pos, kv_end=kv_end)
-    rows, stored = make_resident(picks, stored)
+    rows, stored = make_resident(picks[:, None], q_pos[:, None], stored)
     out = sparse_decode_attention(model, geometry, options, c4=stored.entries,
-                                  c4_layer=stored.layer, picks=rows, **common)
-    return out[:, None], picks[:, None]
+                                  c4_layer=stored.layer, page_rows=stored.page_rows,
+                                  picks=rows[:, 0], **common)
+    return out[:, None], picks[:, None], stored.hot
 
 
 def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base, stored):
     """The reference read of a chunk whose window keys are `keys` [B, K, sw] at positions
-    base .. base + K - 1."""
-    picks = rows = None
-    if kind == LayerKind.CSA:
-        picks = indexer.index_topk(model, geometry, options, index_keys=stored.index_keys,
-                                   layer=stored.layer, page_rows=stored.page_rows,
-                                   index_q=indexer.prepare_index_query(geometry,
-                                                                       queries.index_q),
-                                   index_weights=queries.index_weights, q_pos=q_pos,
-                                   kv_end=kv_end)
-        rows, stored = make_resident(picks, stored)
-    out = attention.attend(model, geometry, options, kind, layer=stored.layer,
-                           entries=stored.entries, page_rows=stored.page_rows, q=queries.q,
-                           sink=queries.sink, q_pos=q_pos, kv_end=kv_end, window_keys=keys,
-                           window_base=base, picks=rows)
-    return out, picks
+    base .. base + K - 1: (out, picks, hot rows). With a hot set, the CSA queries are made
+    resident and read `hot.group_size` at a time, in position order."""
+
+    def attend(q, pos, picks, stored):
+        return attention.attend(model, geometry, options, kind, layer=stored.layer,
+                                entries=stored.entries, page_rows=stored.page_rows, q=q,
+                                sink=queries.sink, q_pos=pos, kv_end=kv_end, window_keys=keys,
+                                window_base=base, picks=picks,
+                                one_query=queries.q.shape[1] == 1)
+
+    if kind != LayerKind.CSA:
+        return attend(queries.q, q_pos, None, stored), None, None
+    picks = indexer.index_topk(model, geometry, options, index_keys=stored.index_keys,
+                               layer=stored.layer, page_rows=stored.page_rows,
+                               index_q=indexer.prepare_index_query(geometry, queries.index_q),
+                               index_weights=queries.index_weights, q_pos=q_pos, kv_end=kv_end)
+    if stored.hot is None:
+        rows, stored = make_resident(picks, q_pos, stored)
+        return attend(queries.q, q_pos, rows, stored), picks, None
+
+    group = hot_set.group_size(model, geometry)
+    wanted = jnp.where((q_pos < kv_end[:, None])[..., None], picks, -1)  # padding: nothing
+    q_g, pos_g, picks_g = _grouped(group, (queries.q, q_pos, wanted), (0.0, None, -1))
+
+    def one_group(hot, args):
+        q, pos, picked = args
+        rows, read_from = make_resident(picked, pos, stored.replace(hot=hot))
+        return read_from.hot, attend(q, pos, rows, read_from)
+
+    hot, out = jax.lax.scan(one_group, stored.hot, (q_g, pos_g, picks_g))
+    return _ungrouped(out, q_pos.shape[1]), picks, hot
+
+
+def _grouped(size: int, arrays, fills):
+    """[B, T, ...] arrays as [T / size, B, size, ...] (T padded up with `fills`; None: the
+    last value repeated)."""
+    tokens = arrays[0].shape[1]
+    n = -(-tokens // size)
+    out = []
+    for x, fill in zip(arrays, fills, strict=True):
+        widths = [(0, 0), (0, n * size - tokens)] + [(0, 0)] * (x.ndim - 2)
+        x = (jnp.pad(x, widths, mode="edge") if fill is None
+             else jnp.pad(x, widths, constant_values=fill))
+        out.append(x.reshape(x.shape[0], n, size, *x.shape[2:]).swapaxes(0, 1))
+    return out
+
+
+def _ungrouped(x: jax.Array, tokens: int) -> jax.Array:
+    """`_grouped`'s inverse: [n, B, size, ...] -> [B, tokens, ...]."""
+    return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])[:, :tokens]
 
 
 def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored):
@@ -474,25 +538,21 @@ def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, 
 
     pad = n_tiles * tile - tokens
     keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
-    tiled_q = jax.tree.map(
-        lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
-            x.shape[0], n_tiles, tile, *x.shape[2:]).swapaxes(0, 1),
-        queries.replace(sink=None))
-    q_pos_t = jnp.pad(q_pos, ((0, 0), (0, pad)), mode="edge").reshape(
-        -1, n_tiles, tile).swapaxes(0, 1)
+    tiled_q = jax.tree.map(lambda x: _grouped(tile, [x], [0.0])[0], queries.replace(sink=None))
+    (q_pos_t,) = _grouped(tile, [q_pos], [None])
 
-    def one_tile(args):
+    def one_tile(hot, args):
         i, q_tile, pos_tile = args
         tile_keys = jax.lax.dynamic_slice_in_dim(keys, i * tile, W + tile, axis=1)
-        return _read_chunk(kind, model, geometry, options, q_tile.replace(sink=queries.sink),
-                           pos_tile, kv_end, tile_keys, base + i * tile, stored)
+        out, picks, hot = _read_chunk(kind, model, geometry, options,
+                                      q_tile.replace(sink=queries.sink), pos_tile, kv_end,
+                                      tile_keys, base + i * tile, stored.replace(hot=hot))
+        return hot, (out, picks)
 
-    out, picks = jax.lax.map(one_tile, (jnp.arange(n_tiles), tiled_q, q_pos_t))
-
-    def untile(x):
-        return x.swapaxes(0, 1).reshape(x.shape[1], n_tiles * tile, *x.shape[3:])[:, :tokens]
-
-    return untile(out), None if picks is None else untile(picks)
+    hot, (out, picks) = jax.lax.scan(one_tile, stored.hot,
+                                     (jnp.arange(n_tiles), tiled_q, q_pos_t))
+    return (_ungrouped(out, tokens), None if picks is None else _ungrouped(picks, tokens),
+            hot)
 
 
 # Names this module had, and where their job is done now.

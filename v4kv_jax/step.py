@@ -33,17 +33,25 @@ from v4kv_jax.vectors import CompressorWeights, LayerRef, Queries, TokenVectors
 def _read(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
           window: ops.WindowKeys, q_pos: jax.Array, kv_end: jax.Array, options: Options):
     """`ops.read` of layer `ref` for the rows `slot_ids`, its stored arrays taken from the
-    cache's pools (a slot id outside [0, max_slots) has no page)."""
+    cache's pools (a slot id outside [0, max_slots) has no page): (cache with the rows' new
+    hot sets, output, picks)."""
     rows = pools.page_rows(cache, slot_ids)
+    hot = None
     if ref.kind == LayerKind.CSA:
-        stored = ops.Stored(ref.kind_layer, rows, pools.entries(cache, "csa"),
-                            pools.entries(cache, "csa_index"))
+        csa = pools.csa_entries(cache)
+        if pools.hot_set(cache) is not None:
+            hot = pools.hot_rows(cache, ref.kind_layer, slot_ids)
+        stored = ops.Stored(ref.kind_layer, rows, csa.c4, csa.index_keys, hot,
+                            on_host=cache.geometry.c4_tier == "host")
     elif ref.kind == LayerKind.HCA:
-        stored = ops.Stored(ref.kind_layer, rows, pools.entries(cache, "hca"))
+        stored = ops.Stored(ref.kind_layer, rows, pools.hca_entries(cache).c128)
     else:
         stored = ops.Stored(ref.kind_layer, rows)
-    return ops.read(ref.kind, cache.attn_config, cache.geometry, options, queries, q_pos=q_pos,
-                    kv_end=kv_end, window=window, stored=stored)
+    out, picks, hot = ops.read(ref.kind, cache.attn_config, cache.geometry, options, queries,
+                               q_pos=q_pos, kv_end=kv_end, window=window, stored=stored)
+    if hot is not None:
+        cache = pools.with_hot_rows(cache, ref.kind_layer, slot_ids, hot)
+    return cache, out, picks
 
 
 def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
@@ -123,7 +131,8 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
         window = ops.WindowKeys(old_ring, plan.start,
                                 pools.codec(cache, "window").encode(vectors.window))
         q_pos = plan.positions(tokens)
-    out, picks = _read(cache, ref, queries, plan.slot_ids, window, q_pos, plan.end, options)
+    cache, out, picks = _read(cache, ref, queries, plan.slot_ids, window, q_pos, plan.end,
+                              options)
     return (cache, out, picks) if with_picks else (cache, out)
 
 
@@ -137,7 +146,9 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
         caller's jit such a row reads nothing and its output is zeros.
 
     Returns:
-      f32[B, 1, H, hd].
+      f32[B, 1, H, hd]. With a hot set (`CacheConfig.hot_rows`) the read fetches what it
+      needs into a copy of the rows' hot sets that is not kept (the cache is not returned);
+      `layer_step` keeps it.
     """
     S = cache.geometry.max_slots
     if checks.concrete(slot_ids):
@@ -148,8 +159,8 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
     slots = read_slots(cache, slot_ids)
     length = jnp.where(inside, pools.lengths(cache)[slots], 0)  # a row outside reads nothing
     window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], length)
-    out, _ = _read(cache, ref, queries, slot_ids, window, (length - 1)[:, None], length,
-                   options)
+    _, out, _ = _read(cache, ref, queries, slot_ids, window, (length - 1)[:, None], length,
+                      options)
     return out
 
 

@@ -119,11 +119,11 @@ def packed_cache():
     r = model.rope_dim
     cache = random_cache(model, PACKED_PAGE_TOKENS, "float32", lengths_for(PACKED_PAGE_TOKENS),
                          seed=11)
-    floats = dict(csa=pools.entries(cache, "csa"), hca=pools.entries(cache, "hca"),
+    floats = dict(csa=pools.csa_entries(cache).c4, hca=pools.hca_entries(cache).c128,
                   window=pools.window_ring(cache))
     packed = {k: storage.encode_fp8_latent(v, r) for k, v in floats.items()}
     decoded = {k: storage.decode_fp8_latent(v, model.head_dim, r) for k, v in packed.items()}
-    packed["csa_index"] = storage.encode_fp4_key(pools.entries(cache, "csa_index"), rotated=True)
+    packed["csa_index"] = storage.encode_fp4_key(pools.csa_entries(cache).index_keys, rotated=True)
     decoded["csa_index"] = storage.decode_fp4_key(packed["csa_index"], model.index_head_dim)
     return cache, packed, decoded
 

@@ -64,7 +64,7 @@ def case(request):
         kv, gate = (jnp.asarray(rng.standard_normal((n, batch, tokens, spec.in_width)),
                                 jnp.float32) for _ in range(2))
         inputs = dict(
-            spec=spec, pool=pools.entries(cache, spec.name), tail=pools.tail(cache, spec.name),
+            spec=spec, pool=pools.entries(cache, spec), tail=pools.tail(cache, spec),
             layers=jnp.arange(n, dtype=jnp.int32)[::-1],  # stack order != kernel order
             kv=kv, gate=gate,
             norm=jnp.asarray(1 + 0.1 * rng.standard_normal((n, spec.width)), jnp.float32))
@@ -129,8 +129,8 @@ def packed_case():
         n = len(model.layers_of(spec.kind))
         kv, gate = (jnp.asarray(rng.standard_normal((n, batch, tokens, spec.in_width)),
                                 jnp.float32) for _ in range(2))
-        tail = pools.tail(cache, spec.name)
-        x = dict(pool=pools.entries(cache, spec.name), layers=jnp.arange(n, dtype=jnp.int32),
+        tail = pools.tail(cache, spec)
+        x = dict(pool=pools.entries(cache, spec), layers=jnp.arange(n, dtype=jnp.int32),
                  tail_kv=tail.kv, tail_gate=tail.gate, kv=kv, gate=gate,
                  norm=jnp.asarray(1 + 0.1 * rng.standard_normal((n, spec.width)), jnp.float32))
         runs.append((spec, x))
@@ -214,8 +214,8 @@ def _online_case(fmt: str):
             tails.append(tail)
         return pool, tails
 
-    before = np.asarray(pools.entries(cache, "hca"))
-    tail = pools.tail(cache, "hca")
+    before = np.asarray(pools.hca_entries(cache).c128)
+    tail = pools.hca_tail(cache)
     want_pool, want_tails = run("reference", before, tail)
     return types.SimpleNamespace(run=run, before=before, tail=tail, want_pool=np.asarray(
         want_pool), want_tails=want_tails, codec=storage.codec(model, geometry, "hca"),

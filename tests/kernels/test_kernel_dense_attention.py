@@ -46,7 +46,7 @@ def case(request):
         return np.asarray(ops.dense_decode_attention(
             model, cache.geometry, q=queries.q[:, 0], sink=queries.sink,
             window=pools.window_ring(cache), window_layer=layer, slot_ids=jnp.arange(batch),
-            q_pos=q_pos, kv_end=kv_end, c128=pools.entries(cache, "hca"),
+            q_pos=q_pos, kv_end=kv_end, c128=pools.hca_entries(cache).c128,
             c128_layer=model.kind_index(layer), page_rows=cache.pages.page_table[:batch],
             **kw))
 

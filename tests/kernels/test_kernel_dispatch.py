@@ -86,7 +86,7 @@ def test_forced_implementation_on_the_wrong_backend_raises():
                 q=jnp.zeros((1, 4, 32)), sink=jnp.zeros(4),
                 window=pools.window_ring(cache), window_layer=2,
                 slot_ids=jnp.zeros(1, jnp.int32), q_pos=jnp.zeros(1, jnp.int32),
-                kv_end=jnp.ones(1, jnp.int32), c128=pools.entries(cache, "hca"), c128_layer=0,
+                kv_end=jnp.ones(1, jnp.int32), c128=pools.hca_entries(cache).c128, c128_layer=0,
                 page_rows=cache.pages.page_table[:1])
 
 

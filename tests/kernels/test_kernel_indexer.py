@@ -41,7 +41,7 @@ def case(request):
     queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=heads + 2).queries(
         layer, np.zeros((batch, 1), int))
     args = (model, cache.geometry)
-    arrays = dict(index_keys=pools.entries(cache, "csa_index"), layer=model.kind_index(layer),
+    arrays = dict(index_keys=pools.csa_entries(cache).index_keys, layer=model.kind_index(layer),
                   page_rows=cache.pages.page_table[:batch], index_q=queries.index_q[:, 0],
                   index_weights=queries.index_weights[:, 0], q_pos=q_pos, kv_end=kv_end)
     return types.SimpleNamespace(

@@ -43,7 +43,7 @@ def case(request):
     queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=heads).queries(
         layer, np.zeros((batch, 1), int))
     rows = cache.pages.page_table[:batch]
-    picks = ops.index_topk(model, cache.geometry, index_keys=pools.entries(cache, "csa_index"),
+    picks = ops.index_topk(model, cache.geometry, index_keys=pools.csa_entries(cache).index_keys,
                            layer=kind_layer, page_rows=rows, index_q=queries.index_q[:, 0],
                            index_weights=queries.index_weights[:, 0], q_pos=q_pos,
                            kv_end=kv_end, options=REFERENCE)
@@ -55,7 +55,7 @@ def case(request):
         return np.asarray(ops.sparse_decode_attention(
             model, cache.geometry, q=queries.q[:, 0], sink=queries.sink,
             window=pools.window_ring(cache), window_layer=layer, slot_ids=jnp.arange(batch),
-            q_pos=q_pos, kv_end=kv_end, c4=pools.entries(cache, "csa"), c4_layer=kind_layer,
+            q_pos=q_pos, kv_end=kv_end, c4=pools.csa_entries(cache).c4, c4_layer=kind_layer,
             page_rows=rows, picks=picks, **kw))
 
     return types.SimpleNamespace(run=run, dtype=dtype, want=run(options=REFERENCE))
@@ -84,7 +84,7 @@ def packed_case():
     queries = synthetic.SyntheticBatch.draw(model, batch, 1, seed=5).queries(
         layer, np.zeros((batch, 1), int))
     rows = cache.pages.page_table[:batch]
-    picks = ops.index_topk(model, cache.geometry, index_keys=pools.entries(cache, "csa_index"),
+    picks = ops.index_topk(model, cache.geometry, index_keys=pools.csa_entries(cache).index_keys,
                            layer=kind_layer, page_rows=rows, index_q=queries.index_q[:, 0],
                            index_weights=queries.index_weights[:, 0], q_pos=q_pos,
                            kv_end=kv_end, options=REFERENCE)

@@ -8,19 +8,30 @@
 
 Every public name is also reachable as `pools.<name>`.
 
-Classical pool (complete, immutable entries; paged; shared by all requests):
-  c4          [n_csa, num_pages, P // m,  sw(head_dim)]         CSA entries
-  index_keys  [n_csa, num_pages, P // m,  sw(index_head_dim)]   CSA indexer keys
-  c128        [n_hca, num_pages, P // m', sw(head_dim)]         HCA entries
-  pages       page tables, free stack, refcounts (see `paging`)
+Classical pool (complete, immutable entries; paged; shared by all requests), one typed
+store per compressed layer kind:
+  csa: CSAEntries
+    c4          [n_csa, num_pages, P // m,  sw(head_dim)]         C4 entries
+    index_keys  [n_csa, num_pages, P // m,  sw(index_head_dim)]   indexer keys
+  hca: HCAEntries
+    c128        [n_hca, num_pages, P // m', sw(head_dim)]         C128 entries
+  pages         page tables, free stack, refcounts (see `paging`; beside the pool)
 
 State pool (per request slot; changes every step):
-  lengths     i32[max_slots]   tokens appended so far
-  status      i32[max_slots]   `SlotStatus`
-  window      [n_layers, max_slots, W, sw(head_dim)]   ring: position p sits at row p % W
-  csa, csa_index               compressor tails, `Tail` of [n, max_slots, ring, in_width]
-  hca                          `Tail` as above (hca_tail="ring"), or `OnlineTail` of
-                               [n_hca, max_slots, head_dim] (hca_tail="online")
+  lengths       i32[max_slots]   tokens appended so far
+  status        i32[max_slots]   `SlotStatus`
+  window        [n_layers, max_slots, W, sw(head_dim)]   ring: position p sits at row p % W
+  csa: CSATails main and index, the CSA compressors' `Tail` rings
+                [n_csa, max_slots, ring, in_width]
+  hca           a `Tail` as above (hca_tail="ring"), or an `OnlineTail` of
+                [n_hca, max_slots, head_dim] (hca_tail="online")
+  hot           with hot_rows = H > 0, the CSA layers' `HotSet`: rows
+                [n_csa, max_slots, H, sw(head_dim)], held and used i32[n_csa, max_slots, H]
+                (`v4kv_jax.hot`); None otherwise
+
+Kind-specific code takes a store (`csa_entries`, `hca_entries`, `csa_tails`, `hca_tail`);
+code that loops over the compressors passes a `CompressorSpec` from `cache.specs` to
+`entries` / `with_entries` / `tail` / `with_tail`.
 
 Row formats: sw(width) is the stored width of a row (`storage.stored_width`): the width
 itself in a float format (float32 / bfloat16 / float16 arrays), 146 uint32 words for an

@@ -17,6 +17,7 @@ from v4kv_jax.pools.tree import (
     SlotStatus,
     codec,
     entries,
+    on_host,
     online_tail,
     tail,
     window_ring,
@@ -113,11 +114,11 @@ def read_slot(cache: Cache, slot: int) -> SlotContents:
     for spec in cache.specs:
         epp = cache.geometry.entries_per_page(spec.ratio)
         idx = np.arange(n // spec.ratio)
-        pool = entries(cache, spec.name)
+        pool = entries(cache, spec)
         rows = pool[:, jnp.asarray(table[idx // epp]), jnp.asarray(idx % epp)]
         by_kind[spec.name] = np.asarray(codec(cache, spec.name).decode_unrotated(rows))
-        ring = tail(cache, spec.name)
-        if online_tail(cache.geometry, spec.name):
+        ring = tail(cache, spec)
+        if online_tail(cache.geometry, spec):
             first = n // spec.ratio * spec.ratio
             held = slice(0, 1 if first < n else 0)
             online[spec.name] = {
@@ -146,6 +147,10 @@ class MemoryReport:
       entry_bytes: bytes of the complete entries present in the used pages, each page
         counted once however many requests share it.
       state_bytes_total: State pool bytes for all slots.
+      device_bytes_per_token: the part of classical_bytes_per_token["total"] that lives on
+        the device (all of it, but the C4 entries with c4_tier="host").
+      device_bytes, host_bytes: {"classical", "state"} bytes of each pool's arrays in device
+        and in host memory (c4_tier="host": the C4 entries on the host).
     """
 
     classical_bytes_per_token: dict[str, float]
@@ -158,6 +163,9 @@ class MemoryReport:
     allocated_bytes: int
     entry_bytes: int
     state_bytes_total: int
+    device_bytes_per_token: float
+    device_bytes: dict[str, int]
+    host_bytes: dict[str, int]
 
     @property
     def allocation_overhead(self) -> float:
@@ -174,7 +182,10 @@ class MemoryReport:
             f"Classical allocated:   {self.allocated_bytes:,} B for {self.entry_bytes:,} B of "
             + (f"entries (x{self.allocation_overhead:.3f})" if self.entry_bytes else "entries"),
             f"State pool total:      {self.state_bytes_total:,} B",
-        ])
+        ] + ([f"Host memory:           Classical {self.host_bytes['classical']:,} B, device "
+              f"Classical {self.device_bytes['classical']:,} B "
+              f"({self.device_bytes_per_token:.1f} B/token)"]
+             if self.host_bytes["classical"] else []))
 
 
 def _entry_rows(model: AttentionConfig, geometry: CacheConfig):
@@ -197,6 +208,25 @@ def classical_bytes_per_token(model: AttentionConfig, geometry: CacheConfig
     return per_token
 
 
+def device_bytes_per_token(model: AttentionConfig, geometry: CacheConfig) -> float:
+    """The amortised Classical bytes per token that live on the device: the total, less the
+    C4 entries when they live on the host (V4-Flash release formats, c4_tier="host":
+    3514.25 - 21 x 584 / 4 = 448.25)."""
+    return sum(n * one / spec.ratio for spec, n, one in _entry_rows(model, geometry)
+               if not on_host(geometry, spec))
+
+
+def _bytes_by_memory(tree) -> tuple[int, int]:
+    """(device bytes, host bytes) of a pytree's arrays."""
+    device = host = 0
+    for x in jax.tree.leaves(tree):
+        if getattr(x.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+            host += x.nbytes
+        else:
+            device += x.nbytes
+    return device, host
+
+
 def page_bytes(model: AttentionConfig, geometry: CacheConfig) -> int:
     """Classical bytes of one page: every layer's entries of P tokens, in the stored formats."""
     return sum(n * one * geometry.entries_per_page(spec.ratio)
@@ -205,15 +235,19 @@ def page_bytes(model: AttentionConfig, geometry: CacheConfig) -> int:
 
 def state_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> int:
     """Fixed State bytes of one slot: window ring, compressor tails (rings, or online
-    accumulators of 3 x head_dim per HCA layer), length and status."""
+    accumulators of 3 x head_dim per HCA layer), the CSA layers' hot sets (hot_rows rows of
+    a C4 entry and two i32 each), length and status."""
     window = storage.codec(model, geometry, "window")
     total = model.num_layers * model.window * window.row_bytes
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
-        if online_tail(geometry, spec.name):
+        if online_tail(geometry, spec):
             total += 3 * n * storage.tail_codec(geometry, spec.width).row_bytes
         else:
             total += 2 * n * spec.ring * storage.tail_codec(geometry, spec.in_width).row_bytes
+    if geometry.hot_rows:
+        c4_row = storage.codec(model, geometry, "csa").row_bytes
+        total += model.num_csa * geometry.hot_rows * (c4_row + 8)
     return total + 8
 
 
@@ -239,6 +273,7 @@ def memory_report(cache: Cache) -> MemoryReport:
                       for spec, n, one in _entry_rows(model, geo))
     one_page = page_bytes(model, geo)
     used = int(np.sum(refcount > 0))
+    classical, state = _bytes_by_memory(cache.classical), _bytes_by_memory(cache.state)
     return MemoryReport(
         classical_bytes_per_token=classical_bytes_per_token(model, geo),
         state_bytes_per_request=state_bytes_per_request(model, geo),
@@ -250,6 +285,9 @@ def memory_report(cache: Cache) -> MemoryReport:
         allocated_bytes=used * one_page,
         entry_bytes=entry_bytes,
         state_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(cache.state))),
+        device_bytes_per_token=device_bytes_per_token(model, geo),
+        device_bytes=dict(zip(("classical", "state"), (classical[0], state[0]), strict=True)),
+        host_bytes=dict(zip(("classical", "state"), (classical[1], state[1]), strict=True)),
     )
 
 
@@ -261,5 +299,6 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 
 
 __all__ = ["MemoryReport", "SlotContents", "SlotReport", "classical_bytes_per_token",
+           "device_bytes_per_token",
            "dense_cache_bytes_per_token", "inspect_slots", "is_deleted", "memory_report",
            "page_bytes", "read_slot", "state_bytes_per_request"]

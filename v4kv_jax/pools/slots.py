@@ -10,7 +10,6 @@ from v4kv_jax import checks, paging
 from v4kv_jax.pools.tree import (
     Cache,
     SlotStatus,
-    tail,
 )
 
 
@@ -53,7 +52,9 @@ def reset_slot(cache: Cache, slot) -> Cache:
         lengths=jnp.where(mask, 0, state.lengths),
         status=jnp.where(mask, SlotStatus.ACTIVE, state.status),
         window=clear(state.window),
-        **{s.name: jax.tree.map(clear, tail(cache, s.name)) for s in cache.specs},
+        csa=jax.tree.map(clear, state.csa),
+        hca=jax.tree.map(clear, state.hca),
+        hot=jax.tree.map(clear, state.hot),
     )
     return cache.replace(state=state)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental.compute_on import compute_on
 
 from v4kv_jax import checks, paging
 from v4kv_jax.pools.slots import _slot_mask
@@ -15,9 +16,12 @@ from v4kv_jax.pools.tree import (
     Cache,
     SlotStatus,
     entries,
+    hot_set,
+    on_host,
     tail,
     window_ring,
     with_entries,
+    with_hot_set,
     with_slots,
     with_tail,
     with_window_ring,
@@ -145,6 +149,53 @@ def drop_pages(cache: Cache, page_ids) -> Cache:
     return cache.replace(pages=pages)
 
 
+# --- rows of a stored array, in its memory space ------------------------------------------
+
+
+def _flat(stored: jax.Array, layer, page, row) -> jax.Array:
+    """Row numbers of [n, num_pages, rows, width] viewed as [n * num_pages * rows, width];
+    past the end where the page is absent (< 0) or out of range."""
+    n, pages, rows = stored.shape[:3]
+    inside = (page >= 0) & (page < pages)
+    return jnp.where(inside, (layer * pages + page) * rows + row, n * pages * rows)
+
+
+def take_rows(stored: jax.Array, layer, page, row, *, host: bool) -> jax.Array:
+    """Device rows stored[layer, page, row] (indices broadcast together; an absent page reads
+    its layer's first row: mask it). With `host`, `stored` lives in host memory: the rows
+    are gathered there and only they come to the device."""
+    if not host:
+        return stored[layer, jnp.clip(page, 0, None), row]
+    flat = jax.device_put(_flat(stored, layer, jnp.clip(page, 0, None), row),
+                          jax.memory.Space.Host)
+    rows = compute_on("device_host")(
+        lambda x, i: jnp.take(x.reshape(-1, x.shape[-1]), i, axis=0, mode="clip"))(stored, flat)
+    return jax.device_put(rows, jax.memory.Space.Device)
+
+
+def put_rows(stored: jax.Array, layer, page, row, values: jax.Array, *, host: bool
+             ) -> jax.Array:
+    """stored with values written at [layer, page, row] (indices broadcast together; rows of
+    an absent page (< 0) are dropped). With `host`, `stored` lives in host memory: the
+    values go there and are written there."""
+    if not host:
+        page = jnp.where(page >= 0, page, stored.shape[1])
+        return stored.at[layer, page, row].set(values, mode="drop")
+    flat = _flat(stored, layer, page, row)
+    values = jnp.broadcast_to(values, (*flat.shape, stored.shape[-1]))
+    flat, values = (jax.device_put(x, jax.memory.Space.Host) for x in (flat, values))
+    return compute_on("device_host")(
+        lambda x, v, i: x.reshape(-1, x.shape[-1]).at[i].set(v, mode="drop").reshape(x.shape)
+    )(stored, values.reshape(-1, stored.shape[-1]), flat.reshape(-1))
+
+
+def _page_rows(stored: jax.Array, ids: jax.Array):
+    """(layer, page, row) index arrays of every row of the pages `ids` i32[k]."""
+    n, _, rows = stored.shape[:3]
+    return (jnp.arange(n)[:, None, None], ids[None, :, None],
+            jnp.arange(rows)[None, None, :])
+
+
 def read_pages(cache: Cache, page_ids) -> dict[str, jax.Array]:
     """The Classical rows of whole pages, as stored: compressor name -> [n_kind_layers, k,
     P // m, width] for page_ids i32[k] (rows of a -1 id are zeros). With `load_pages`, this
@@ -157,9 +208,12 @@ def read_pages(cache: Cache, page_ids) -> dict[str, jax.Array]:
         checks.int_array("page_ids", page_ids, ndim=1, lo=-1, hi=N - 1)
     ids = jnp.asarray(page_ids, jnp.int32).reshape(-1)
     present = (ids >= 0)[None, :, None, None]
-    return {spec.name: jnp.where(present, entries(cache, spec.name)[:, jnp.clip(ids, 0, N - 1)],
-                                 jnp.zeros((), entries(cache, spec.name).dtype))
-            for spec in cache.specs}
+    out = {}
+    for spec in cache.specs:
+        stored = entries(cache, spec)
+        rows = take_rows(stored, *_page_rows(stored, ids), host=on_host(cache.geometry, spec))
+        out[spec.name] = jnp.where(present, rows, jnp.zeros((), stored.dtype))
+    return out
 
 
 def load_pages(cache: Cache, contents: dict, n_pages) -> tuple[Cache, jax.Array]:
@@ -201,11 +255,11 @@ def load_pages(cache: Cache, contents: dict, n_pages) -> tuple[Cache, jax.Array]
         checks.integer("n_pages", n_pages, lo=0, hi=min(k, int(cache.pages.num_free)))
     pages, ids = paging.take(cache.pages, n_pages, k)
     cache = cache.replace(pages=pages)
-    dest = jnp.where(ids >= 0, ids, cache.geometry.num_pages)
     for spec in cache.specs:
-        stored = entries(cache, spec.name)
-        cache = with_entries(cache, spec.name, stored.at[:, dest].set(
-            jnp.asarray(contents[spec.name]), mode="drop"))
+        stored = entries(cache, spec)
+        cache = with_entries(cache, spec, put_rows(
+            stored, *_page_rows(stored, ids), jnp.asarray(contents[spec.name]),
+            host=on_host(cache.geometry, spec)))
     return cache, ids
 
 
@@ -246,7 +300,7 @@ def snapshot_state(cache: Cache, slot) -> StateSnapshot:
 
     return StateSnapshot(
         window=take(window_ring(cache)),
-        tails={spec.name: jax.tree.map(take, tail(cache, spec.name)) for spec in cache.specs},
+        tails={spec.name: jax.tree.map(take, tail(cache, spec)) for spec in cache.specs},
         length=jnp.where(inside, cache.state.lengths[read], 0),
     )
 
@@ -306,8 +360,11 @@ def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
 
     cache = with_window_ring(cache, put(window_ring(cache), snapshot.window))
     for spec in cache.specs:
-        cache = with_tail(cache, spec.name, jax.tree.map(put, tail(cache, spec.name),
-                                                          snapshot.tails[spec.name]))
+        cache = with_tail(cache, spec, jax.tree.map(put, tail(cache, spec),
+                                                    snapshot.tails[spec.name]))
+    if hot_set(cache) is not None:  # the slot's hot rows start empty (`v4kv_jax.hot`)
+        cache = with_hot_set(cache, jax.tree.map(
+            lambda x: put(x, jnp.zeros((), x.dtype)), hot_set(cache)))
     return with_slots(cache, lengths=cache.state.lengths.at[dest].set(length, mode="drop"))
 
 
@@ -319,4 +376,4 @@ def _at_path(tree, path):
 
 
 __all__ = ["StateSnapshot", "attach_prefix", "drop_pages", "hold_pages", "load_pages",
-           "read_pages", "restore_state", "snapshot_state"]
+           "put_rows", "read_pages", "restore_state", "snapshot_state", "take_rows"]

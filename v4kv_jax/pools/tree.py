@@ -29,26 +29,29 @@ class SlotStatus(enum.IntEnum):
     #              token id outside the vocabulary); that row wrote nothing
 
 
-_ENTRY_FIELD = {"csa": "c4", "csa_index": "index_keys", "hca": "c128"}
-COMPRESSORS = tuple(_ENTRY_FIELD)  # the compressor names the accessors take
+@struct.dataclass
+class CSAEntries:
+    """The CSA layers' Classical store: c4 their C4 entries [n_csa, num_pages, P // m, sw(hd)]
+    and index_keys their indexer keys [n_csa, num_pages, P // m, sw(c)], as stored."""
+
+    c4: jax.Array
+    index_keys: jax.Array
 
 
-def _compressor(name: str) -> str:
-    """`name` if it names a compressor, else a ValueError naming the argument."""
-    if name not in _ENTRY_FIELD:
-        raise ValueError(f"name: expected one of {COMPRESSORS}; got {name!r}")
-    return name
+@struct.dataclass
+class HCAEntries:
+    """The HCA layers' Classical store: c128 their C128 entries
+    [n_hca, num_pages, P // m', sw(hd)], as stored."""
+
+    c128: jax.Array
 
 
 @struct.dataclass
 class ClassicalPool:
-    """Complete entries, paged ([n_kind_layers, num_pages, P // m, stored width], as stored):
-    c4 the CSA layers' C4 entries, index_keys their indexer keys, c128 the HCA layers' C128
-    entries."""
+    """Complete, immutable entries, paged: one typed store per compressed layer kind."""
 
-    c4: jax.Array
-    index_keys: jax.Array
-    c128: jax.Array
+    csa: CSAEntries
+    hca: HCAEntries
 
 
 @struct.dataclass
@@ -71,18 +74,40 @@ class OnlineTail:
 
 
 @struct.dataclass
+class CSATails:
+    """The CSA layers' open blocks: main the entry compressor's raw ring, index the indexer
+    compressor's."""
+
+    main: Tail
+    index: Tail
+
+
+@struct.dataclass
+class HotSet:
+    """HiSparse's device hot set (`CacheConfig.hot_rows` = H > 0; `v4kv_jax.hot`): per CSA
+    layer and slot, H rows holding C4 entries the indexer picked, as stored: rows
+    [n_csa, max_slots, H, sw(hd)]; held i32[n_csa, max_slots, H] the entry id + 1 a row holds
+    (0: none); used i32[n_csa, max_slots, H] 1 + the last query position that picked it."""
+
+    rows: jax.Array
+    held: jax.Array
+    used: jax.Array
+
+
+@struct.dataclass
 class StatePool:
     """What changes every step, per slot: lengths and status i32[max_slots], the window rings
     [n_layers, max_slots, W, stored width], and each compressor's open block: the CSA main
-    and indexer compressors' raw `Tail` rings, the HCA compressor's `Tail` ring or, with
-    hca_tail="online", its `OnlineTail`."""
+    and indexer compressors' raw `Tail` rings (`CSATails`), the HCA compressor's `Tail` ring
+    or, with hca_tail="online", its `OnlineTail`; with hot_rows > 0 the CSA layers'
+    `HotSet`."""
 
     lengths: jax.Array
     status: jax.Array
     window: jax.Array
-    csa: Tail
-    csa_index: Tail
+    csa: CSATails
     hca: Tail | OnlineTail
+    hot: HotSet | None = None
 
 
 @struct.dataclass
@@ -101,15 +126,89 @@ class Cache:
 # --- accessors: the only code that reaches pool storage by field name ----------------------
 
 
-def entries(cache: Cache, name: str) -> jax.Array:
-    """The Classical array of compressor `name` ("csa" C4 entries, "csa_index" indexer keys,
-    "hca" C128 entries): [n_kind_layers, num_pages, P // m, width], as stored."""
-    return getattr(cache.classical, _ENTRY_FIELD[_compressor(name)])
+# Where each compressor's arrays live: (store, field) of its entries and (store, field) of
+# its tails (field None: the store's tail is the whole field).
+_ENTRIES = {"csa": ("csa", "c4"), "csa_index": ("csa", "index_keys"), "hca": ("hca", "c128")}
+_TAILS = {"csa": ("csa", "main"), "csa_index": ("csa", "index"), "hca": ("hca", None)}
 
 
-def with_entries(cache: Cache, name: str, value: jax.Array) -> Cache:
-    field = _ENTRY_FIELD[_compressor(name)]
-    return cache.replace(classical=cache.classical.replace(**{field: value}))
+def _spec(spec: CompressorSpec) -> str:
+    """The name of compressor `spec`, or a TypeError naming the argument."""
+    if not isinstance(spec, CompressorSpec):
+        raise TypeError(
+            f"spec: expected a layout.CompressorSpec (one of cache.specs); got {spec!r} "
+            "(one kind's arrays: pools.csa_entries, hca_entries, csa_tails, hca_tail)")
+    return spec.name
+
+
+def csa_entries(cache: Cache) -> CSAEntries:
+    """The CSA layers' C4 entries and indexer keys, as stored."""
+    return cache.classical.csa
+
+
+def hca_entries(cache: Cache) -> HCAEntries:
+    """The HCA layers' C128 entries, as stored."""
+    return cache.classical.hca
+
+
+def csa_tails(cache: Cache) -> CSATails:
+    """The CSA layers' main and indexer compressor rings, as stored."""
+    return cache.state.csa
+
+
+def hca_tail(cache: Cache) -> Tail | OnlineTail:
+    """The HCA layers' open blocks: a raw `Tail` ring, or an `OnlineTail` (hca_tail="online")."""
+    return cache.state.hca
+
+
+def hot_set(cache: Cache) -> HotSet | None:
+    """The CSA layers' hot sets (`HotSet`), or None when `CacheConfig.hot_rows` is 0."""
+    return cache.state.hot
+
+
+def with_hot_set(cache: Cache, value: HotSet) -> Cache:
+    return cache.replace(state=cache.state.replace(hot=value))
+
+
+def hot_rows(cache: Cache, layer, slot_ids: jax.Array) -> HotSet:
+    """The hot sets of CSA layer `layer` (its index in the CSA stack) for the rows
+    `slot_ids` i32[B]: a `HotSet` of [B, H, ...] (ids outside [0, max_slots): slot 0's,
+    never written back by `with_hot_rows`)."""
+    read = jnp.clip(slot_ids, 0, cache.geometry.max_slots - 1)
+    return jax.tree.map(lambda x: x[layer, read], cache.state.hot)
+
+
+def with_hot_rows(cache: Cache, layer, slot_ids: jax.Array, value: HotSet) -> Cache:
+    """Writes `hot_rows`' [B, H, ...] back; rows of ids outside [0, max_slots) are dropped."""
+    S = cache.geometry.max_slots
+    dest = jnp.where((slot_ids >= 0) & (slot_ids < S), slot_ids, S)
+    return with_hot_set(cache, jax.tree.map(
+        lambda stored, x: stored.at[layer, dest].set(x, mode="drop"), cache.state.hot, value))
+
+
+def on_host(geometry: CacheConfig, spec: CompressorSpec) -> bool:
+    """Whether compressor `spec`'s entries live in host memory (the C4 entries with
+    c4_tier="host"); every other array lives on the device."""
+    return _spec(spec) == "csa" and geometry.c4_tier == "host"
+
+
+def _placed(geometry: CacheConfig, spec: CompressorSpec, value: jax.Array) -> jax.Array:
+    """`value` in the memory space of compressor `spec`'s entries."""
+    return jax.device_put(value, jax.memory.Space.Host) if on_host(geometry, spec) else value
+
+
+def entries(cache: Cache, spec: CompressorSpec) -> jax.Array:
+    """The Classical array of compressor `spec` (one of `cache.specs`): C4 entries, indexer
+    keys or C128 entries, [n_kind_layers, num_pages, P // m, width], as stored."""
+    store, field = _ENTRIES[_spec(spec)]
+    return getattr(getattr(cache.classical, store), field)
+
+
+def with_entries(cache: Cache, spec: CompressorSpec, value: jax.Array) -> Cache:
+    store, field = _ENTRIES[_spec(spec)]
+    value = _placed(cache.geometry, spec, value)
+    kind = getattr(cache.classical, store).replace(**{field: value})
+    return cache.replace(classical=cache.classical.replace(**{store: kind}))
 
 
 def window_ring(cache: Cache) -> jax.Array:
@@ -121,21 +220,26 @@ def with_window_ring(cache: Cache, value: jax.Array) -> Cache:
     return cache.replace(state=cache.state.replace(window=value))
 
 
-def tail(cache: Cache, name: str) -> Tail | OnlineTail:
-    """The tails of compressor `name`, as stored: a `Tail` ring, kv and gate
+def tail(cache: Cache, spec: CompressorSpec) -> Tail | OnlineTail:
+    """The tails of compressor `spec`, as stored: a `Tail` ring, kv and gate
     [n_kind_layers, max_slots, ring, in_width] (position p at row p % ring; gate with the
-    position bias added), or for "hca" with hca_tail="online" an `OnlineTail`."""
-    return getattr(cache.state, _compressor(name))
+    position bias added), or for the HCA compressor with hca_tail="online" an `OnlineTail`."""
+    store, field = _TAILS[_spec(spec)]
+    held = getattr(cache.state, store)
+    return held if field is None else getattr(held, field)
 
 
-def with_tail(cache: Cache, name: str, value: Tail | OnlineTail) -> Cache:
-    return cache.replace(state=cache.state.replace(**{_compressor(name): value}))
+def with_tail(cache: Cache, spec: CompressorSpec, value: Tail | OnlineTail) -> Cache:
+    store, field = _TAILS[_spec(spec)]
+    if field is not None:
+        value = getattr(cache.state, store).replace(**{field: value})
+    return cache.replace(state=cache.state.replace(**{store: value}))
 
 
-def online_tail(geometry: CacheConfig, name: str) -> bool:
-    """Whether compressor `name` keeps an `OnlineTail` (the HCA compressor with
+def online_tail(geometry: CacheConfig, spec: CompressorSpec) -> bool:
+    """Whether compressor `spec` keeps an `OnlineTail` (the HCA compressor with
     hca_tail="online") rather than a raw `Tail` ring."""
-    return name == "hca" and geometry.hca_tail == "online"
+    return _spec(spec) == "hca" and geometry.hca_tail == "online"
 
 
 def codec(cache: Cache, name: str) -> storage.RowCodec:
@@ -189,6 +293,15 @@ def free_pages(cache: Cache) -> jax.Array:
     return cache.pages.num_free
 
 
+def _empty_hot_set(model: AttentionConfig, geometry: CacheConfig) -> HotSet | None:
+    if not geometry.hot_rows:
+        return None
+    shape = (model.num_csa, geometry.max_slots, geometry.hot_rows)
+    rows = storage.codec(model, geometry, "csa")
+    return HotSet(rows=jnp.zeros((*shape, rows.stored_width), rows.dtype),
+                  held=jnp.zeros(shape, jnp.int32), used=jnp.zeros(shape, jnp.int32))
+
+
 def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     """An empty cache: every slot free, every page free, all storage zero."""
     geometry.check_against(model)
@@ -197,10 +310,10 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     for spec in compressor_specs(model):
         n = len(model.layers_of(spec.kind))
         rows = storage.codec(model, geometry, spec.name)
-        stored[_ENTRY_FIELD[spec.name]] = jnp.zeros(
-            (n, geometry.num_pages, P // spec.ratio, rows.stored_width), rows.dtype)
+        stored[spec.name] = _placed(geometry, spec, jnp.zeros(
+            (n, geometry.num_pages, P // spec.ratio, rows.stored_width), rows.dtype))
         tail_dt = storage.tail_codec(geometry, spec.in_width).dtype
-        if online_tail(geometry, spec.name):
+        if online_tail(geometry, spec):
             tails[spec.name] = OnlineTail(*(jnp.zeros((n, S, spec.width), tail_dt)
                                             for _ in range(3)))
         else:
@@ -210,22 +323,28 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
             )
     window = storage.codec(model, geometry, "window")
     return Cache(
-        classical=ClassicalPool(**stored),
+        classical=ClassicalPool(
+            csa=CSAEntries(c4=stored["csa"], index_keys=stored["csa_index"]),
+            hca=HCAEntries(c128=stored["hca"])),
         pages=paging.PageState.create(geometry.num_pages, S, geometry.max_pages_per_seq),
         state=StatePool(
             lengths=jnp.zeros((S,), jnp.int32),
             status=jnp.full((S,), SlotStatus.FREE, jnp.int32),
             window=jnp.zeros((model.num_layers, S, model.window, window.stored_width),
                              window.dtype),
-            **tails,
+            csa=CSATails(main=tails["csa"], index=tails["csa_index"]),
+            hca=tails["hca"],
+            hot=_empty_hot_set(model, geometry),
         ),
         attn_config=model,
         geometry=geometry,
     )
 
 
-__all__ = ["COMPRESSORS", "Cache", "ClassicalPool", "OnlineTail", "SlotStatus", "StatePool",
-           "Tail", "codec",
-           "entries", "free_pages", "init_cache", "lengths", "online_tail", "page_rows",
-           "page_state", "page_table", "refcounts", "status", "tail", "window_ring",
-           "with_entries", "with_page_state", "with_slots", "with_tail", "with_window_ring"]
+__all__ = ["CSAEntries", "CSATails", "Cache", "ClassicalPool", "HCAEntries", "HotSet",
+           "OnlineTail", "SlotStatus", "StatePool", "Tail", "codec", "csa_entries", "csa_tails",
+           "entries", "free_pages", "hca_entries", "hca_tail", "hot_rows", "hot_set",
+           "init_cache", "lengths", "on_host", "online_tail", "page_rows", "page_state",
+           "page_table", "refcounts", "status", "tail", "window_ring", "with_entries",
+           "with_hot_rows", "with_hot_set", "with_page_state", "with_slots", "with_tail",
+           "with_window_ring"]

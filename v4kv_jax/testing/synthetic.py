@@ -188,10 +188,10 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
 
     for spec in cache.specs:
         codec = pools.codec(cache, spec.name)
-        cache = pools.with_entries(cache, spec.name, draw(pools.entries(cache, spec.name),
-                                                          codec, unused_pages=True))
-        tail = pools.tail(cache, spec.name)
-        if pools.online_tail(geometry, spec.name):
+        cache = pools.with_entries(cache, spec, draw(pools.entries(cache, spec),
+                                                     codec, unused_pages=True))
+        tail = pools.tail(cache, spec)
+        if pools.online_tail(geometry, spec):
             total = rng.uniform(1.0, spec.ratio, tail.sum.shape).astype(np.float32)
             tail = pools.OnlineTail(max=draw(tail.max), sum=jnp.asarray(total, tail.sum.dtype),
                                     weighted=jnp.asarray(np.asarray(draw(tail.weighted),
@@ -199,7 +199,7 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
                                                          tail.weighted.dtype))
         else:
             tail = jax.tree.map(draw, tail)
-        cache = pools.with_tail(cache, spec.name, tail)
+        cache = pools.with_tail(cache, spec, tail)
     cache = pools.with_window_ring(cache, draw(pools.window_ring(cache),
                                                pools.codec(cache, "window")))
     status = np.zeros(geometry.max_slots, np.int32)
@@ -229,7 +229,7 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
     Returns:
       {"window", "<compressor>_tail", "<compressor>_entries"} -> bool masks broadcastable to
       those arrays ([1, S, W, 1], [1, S, ring, 1] or [1, S, 1] for an online tail,
-      [1, pages, P // m, 1]).
+      [1, pages, P // m, 1]); with a hot set also "hot" [n_csa, S, H] (its rows).
     """
     geo = cache.geometry
     lengths = np.asarray(pools.lengths(cache), np.int64)
@@ -242,7 +242,7 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
         masks["window"][0, s, np.arange(max(0, n - W), n) % W] = True
     for spec in cache.specs:
         m, epp = spec.ratio, geo.entries_per_page(spec.ratio)
-        online = pools.online_tail(geo, spec.name)
+        online = pools.online_tail(geo, spec)
         tail = np.zeros((1, S, 1) if online else (1, S, spec.ring, 1), bool)
         entries = np.zeros((1, geo.num_pages, epp, 1), bool)
         for s in np.flatnonzero(live):
@@ -261,6 +261,9 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
             entries[0, int(page)] = True
         masks[f"{spec.name}_tail"] = tail
         masks[f"{spec.name}_entries"] = entries
+    hot = pools.hot_set(cache)
+    if hot is not None:  # a hot row is owned while a live slot's row holds an entry
+        masks["hot"] = (np.asarray(hot.held) > 0) & live[None, :, None]
     return masks
 
 
@@ -275,15 +278,19 @@ def poison_unowned(cache: Cache, value: float = float("nan"), held_pages=()) -> 
     """
     masks = owned_masks(cache, held_pages)
 
-    def fill(x, mask, codec=None):
+    def fill(x, mask, codec=None):  # on the device (the accessors put it back in its tier)
         row = jnp.asarray(value, x.dtype) if codec is None else _filled(codec, value)
-        return jnp.where(jnp.asarray(mask), x, row)
+        return jnp.where(jnp.asarray(mask), jax.device_put(x, jax.memory.Space.Device), row)
 
     for spec in cache.specs:
-        cache = pools.with_entries(cache, spec.name, fill(pools.entries(cache, spec.name),
-                                                          masks[f"{spec.name}_entries"],
-                                                          pools.codec(cache, spec.name)))
-        cache = pools.with_tail(cache, spec.name, jax.tree.map(
-            lambda x, spec=spec: fill(x, masks[f"{spec.name}_tail"]), pools.tail(cache, spec.name)))
+        cache = pools.with_entries(cache, spec, fill(pools.entries(cache, spec),
+                                                     masks[f"{spec.name}_entries"],
+                                                     pools.codec(cache, spec.name)))
+        cache = pools.with_tail(cache, spec, jax.tree.map(
+            lambda x, spec=spec: fill(x, masks[f"{spec.name}_tail"]), pools.tail(cache, spec)))
+    hot = pools.hot_set(cache)
+    if hot is not None:
+        cache = pools.with_hot_set(cache, hot.replace(rows=fill(
+            hot.rows, masks["hot"][..., None], pools.codec(cache, "csa"))))
     return pools.with_window_ring(cache, fill(pools.window_ring(cache), masks["window"],
                                               pools.codec(cache, "window")))

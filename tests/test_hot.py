@@ -1,0 +1,215 @@
+"""HiSparse: the C4 entries in host memory (`CacheConfig.c4_tier="host"`) and a hot set per
+CSA layer and slot on the device (`hot_rows`): the CSA read fetches its picks into the hot
+rows, least recently used out, and reads only those rows. Outputs and every stored array are
+the bits of the all-on-device run without a hot set, in prefill chunks (read a group of
+queries at a time) and in decode, on the reference and on the kernels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import v4kv_jax as v4
+from v4kv_jax import hot, pools, step
+from v4kv_jax.testing import synthetic
+
+from conftest import MODEL, OPTIONS, chunk_plan, new_cache, positions, run_chunks
+
+LENGTHS = [300, 211]
+# Prefill chunks of 32 (two query tiles of 16), then decode steps, then a chunk again.
+PLAN = chunk_plan(LENGTHS, [32, 29, 1, 1, 30, 1, 1, 1])
+# index_topk = 8: 8 rows read one query at a time and evict on every step (C4 entries on the
+# device); 24 rows read groups of 3 queries (16-query tiles end in a padded group), the C4
+# entries in host memory.
+HOT_ROWS = (8, 24)
+
+
+def geometry(hot_rows: int) -> v4.CacheConfig:
+    return v4.CacheConfig(num_pages=8, max_slots=3, max_pages_per_seq=4, hot_rows=hot_rows,
+                          c4_tier="host" if hot_rows == 24 else "device")
+
+
+@pytest.fixture(scope="module")
+def data():
+    return synthetic.SyntheticBatch.draw(MODEL, 2, max(LENGTHS), seed=5)
+
+
+@pytest.fixture(scope="module")
+def runs(data):
+    return {h: run_chunks(new_cache(MODEL, geometry(h)), data, PLAN) for h in (0, *HOT_ROWS)}
+
+
+def without_hot_set(cache):
+    return cache.replace(state=cache.state.replace(hot=None))
+
+
+def assert_same_bits(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("hot_rows", HOT_ROWS)
+def test_reads_through_the_hot_set_are_the_bits_of_reads_from_the_pool(runs, hot_rows):
+    cache0, out0 = runs[0]
+    cache, out = runs[hot_rows]
+    np.testing.assert_array_equal(out, out0)
+    assert_same_bits(without_hot_set(cache), cache0)
+    assert pools.hot_set(cache0) is None
+    # The C4 entries stay in their memory space through every donated step; the rest on
+    # the device.
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(cache)}
+    c4_kind = pools.csa_entries(cache).c4.sharding.memory_kind
+    assert c4_kind == ("pinned_host" if cache.geometry.c4_tier == "host" else "device")
+    assert kinds == {"device", c4_kind}
+
+
+@pytest.mark.parametrize("hot_rows", HOT_ROWS)
+def test_every_held_row_is_a_copy_of_its_stored_entry(runs, hot_rows):
+    cache, _ = runs[hot_rows]
+    hs = pools.hot_set(cache)
+    held, used = np.asarray(hs.held), np.asarray(hs.used)
+    rows, c4 = np.asarray(hs.rows), np.asarray(pools.csa_entries(cache).c4)
+    table = np.asarray(pools.page_table(cache))
+    epp = cache.geometry.entries_per_page(MODEL.csa_ratio)
+    assert held.shape == (MODEL.num_csa, 3, hot_rows)
+    for layer in range(MODEL.num_csa):
+        for slot, length in enumerate(LENGTHS):
+            ids = held[layer, slot][held[layer, slot] > 0] - 1
+            assert len(ids) == hot_rows  # long sequences: every row in use
+            assert len(set(ids)) == len(ids) and (ids < length // MODEL.csa_ratio).all()
+            want = c4[layer, table[slot, ids // epp], ids % epp]
+            np.testing.assert_array_equal(rows[layer, slot][held[layer, slot] > 0], want)
+            assert (used[layer, slot] <= length).all() and used[layer, slot].max() == length
+        assert (held[layer, 2] == 0).all()  # the unused slot: nothing fetched
+
+
+def test_a_group_reuses_held_rows_and_evicts_the_least_recently_used():
+    # Four hot rows; entry e of the row's sequence is stored as the value 100 * page + row.
+    epp = 4
+    entries = (100 * jnp.arange(3)[:, None] + jnp.arange(epp)[None, :]).astype(jnp.float32)
+    entries = jnp.broadcast_to(entries[None, :, :, None], (1, 3, epp, 2))
+    page_rows = jnp.array([[2, 0, 1, -1]], jnp.int32)  # entries 0-3 page 2, 4-7 page 0, ...
+    state = pools.HotSet(rows=jnp.zeros((1, 4, 2)), held=jnp.array([[0, 6, 3, 0]]),
+                         used=jnp.array([[0, 3, 7, 0]]))
+
+    def resident(picks, pos):
+        return hot.resident(jnp.array(picks, jnp.int32), jnp.array(pos, jnp.int32), state,
+                            entries, 0, page_rows)
+
+    # Entry 2 is held (row 2); 9 is fetched into the first empty row; 13's page is absent.
+    rows, state = resident([[[2, 9, 13]]], [[10]])
+    np.testing.assert_array_equal(rows, [[[2, 0, -1]]])
+    np.testing.assert_array_equal(state.held, [[10, 6, 3, 0]])
+    np.testing.assert_array_equal(state.used, [[11, 3, 11, 0]])
+    np.testing.assert_array_equal(state.rows[0, 0], [101, 101])  # entry 9: page 1, row 1
+    # No hit: 7 takes the empty row 3, 8 evicts entry 5 (row 1, last used at clock 3).
+    rows, state = resident([[[7, 8, -1]]], [[11]])
+    np.testing.assert_array_equal(rows, [[[3, 1, -1]]])
+    np.testing.assert_array_equal(state.held, [[10, 9, 3, 8]])
+    np.testing.assert_array_equal(state.used, [[11, 12, 11, 12]])
+    np.testing.assert_array_equal(state.rows[0, 1], [100, 100])  # entry 8: page 1, row 0
+    np.testing.assert_array_equal(state.rows[0, 3], [3, 3])  # entry 7: page 0, row 3
+    # Two queries picking the same new entries fetch each once, into one row each (8 is
+    # held: its row is not evicted; 4 and 6 take the rows last used at clock 11).
+    rows, state = resident([[[4, 6, -1], [6, 4, 8]]], [[12, 13]])
+    np.testing.assert_array_equal(rows, [[[0, 2, -1], [2, 0, 1]]])
+    np.testing.assert_array_equal(state.held, [[5, 9, 7, 8]])
+    np.testing.assert_array_equal(state.used, [[14, 14, 14, 12]])
+    np.testing.assert_array_equal(state.rows[0, :3, 0], [0, 100, 2])  # entries 4, 8, 6
+
+
+def decode_once(cache, data, options, poison=False):
+    """Prefill both rows to LENGTHS - 1 with the reference, then one decode step with
+    `options`: (outputs, cache)."""
+    cache, _ = run_chunks(cache, data, chunk_plan([n - 1 for n in LENGTHS], [32] * 10),
+                          with_attention=True)
+    if poison:
+        cache = synthetic.poison_unowned(cache)
+    start = np.array(LENGTHS) - 1
+    cache, out = step.append_and_attend(
+        cache, data.take(positions(start, 1)), data.stacked_queries(positions(start, 1)),
+        data.weights, np.arange(2), np.ones(2, np.int32), options=options)
+    return np.asarray(out), cache
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_kernels_in_interpret_mode_read_the_hot_rows_bit_for_bit(data, implementation):
+    options = v4.Options(implementation=implementation, interpret=True, query_tile=16)
+    want, cache0 = decode_once(new_cache(MODEL, geometry(0)), data, options)
+    # The C4 entries on the device: jax 0.10.2 cannot lower interpret-mode kernels (their
+    # callbacks' effect tokens) in a program with host-memory outputs.
+    got, cache = decode_once(new_cache(MODEL, geometry(8)), data, options, poison=True)
+    np.testing.assert_array_equal(got, want)
+    assert_same_bits(without_hot_set(synthetic.poison_unowned(cache)),
+                     synthetic.poison_unowned(cache0))
+
+
+def test_unowned_hot_rows_are_never_read(data):
+    clean, _ = decode_once(new_cache(MODEL, geometry(24)), data, OPTIONS)
+    poisoned, cache = decode_once(new_cache(MODEL, geometry(24)), data, OPTIONS, poison=True)
+    np.testing.assert_array_equal(poisoned, clean)
+    assert np.isnan(np.asarray(pools.hot_set(cache).rows)[:, 2]).all()  # slot 2: not live
+
+
+def test_a_new_or_restored_sequence_starts_with_an_empty_hot_set(runs):
+    cache, _ = runs[8]
+    snapshot = pools.snapshot_state(cache, 1)
+    restored = pools.restore_state(cache, 1, snapshot)
+    held = np.asarray(pools.hot_set(restored).held)
+    assert (held[:, 1] == 0).all() and (held[:, 0] > 0).all()
+    assert_same_bits(without_hot_set(restored), without_hot_set(cache))
+    reset = v4.reset_slot(v4.release_slot(cache, 0), 0)
+    assert (np.asarray(pools.hot_set(reset).held)[:, 0] == 0).all()
+
+
+def test_the_memory_report_counts_the_hot_sets_and_the_host_tier(runs):
+    cache = runs[24][0]
+    report, without = pools.memory_report(cache), pools.memory_report(runs[0][0])
+    assert report.state_bytes_total == 3 * report.state_bytes_per_request
+    c4_row = pools.codec(cache, "csa").row_bytes
+    assert report.state_bytes_per_request - without.state_bytes_per_request == (
+        MODEL.num_csa * 24 * (c4_row + 8))
+    c4_bytes = pools.csa_entries(cache).c4.nbytes
+    classical = sum(x.nbytes for x in jax.tree.leaves(cache.classical))
+    assert report.host_bytes == {"classical": c4_bytes, "state": 0}
+    assert report.device_bytes == {"classical": classical - c4_bytes,
+                                   "state": report.state_bytes_total}
+    assert without.host_bytes == {"classical": 0, "state": 0}
+    per_token = report.classical_bytes_per_token
+    assert report.device_bytes_per_token == per_token["total"] - (
+        MODEL.num_csa * c4_row / MODEL.csa_ratio)
+    assert "Host memory:" in report.format() and "Host memory:" not in without.format()
+
+
+def test_pages_move_out_of_and_into_the_host_tier(runs):
+    """read_pages / load_pages (the prefix cache's page moves) read and write the C4 rows
+    where they live."""
+    host, device = runs[24][0], runs[0][0]
+    ids = np.array([0, 3, -1], np.int32)
+    moved, want = pools.read_pages(host, ids), pools.read_pages(device, ids)
+    assert_same_bits(moved, want)
+    loaded, taken = pools.load_pages(host, moved, 2)
+    loaded_device, taken_device = pools.load_pages(device, want, 2)
+    np.testing.assert_array_equal(taken, taken_device)
+    assert pools.csa_entries(loaded).c4.sharding.memory_kind == "pinned_host"
+    assert_same_bits(pools.read_pages(loaded, taken), pools.read_pages(loaded_device, taken))
+
+
+def test_host_c4_entries_need_a_hot_set():
+    with pytest.raises(ValueError, match=r"hot_rows: expected a hot set \(at least the "
+                                         r"model's index_topk\) with c4_tier='host'"):
+        v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="host")
+    with pytest.raises(ValueError, match=r"c4_tier: expected one of"):
+        v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="disk")
+
+
+def test_hot_rows_must_hold_a_whole_top_k():
+    with pytest.raises(ValueError, match=r"hot_rows: expected 0 \(no hot set\) or at least "
+                                         r"the model's index_topk=8; got 7"):
+        v4.init_cache(MODEL, geometry(7))
+    with pytest.raises(TypeError, match=r"hot_rows: expected an integer; got 8.0"):
+        geometry(8.0)
+    with pytest.raises(ValueError, match=r"hot_rows: expected an integer in \[0, inf\]; got -1"):
+        geometry(-1)

@@ -1,0 +1,125 @@
+"""HiSparse's hot set: which device rows hold which C4 entries of a slot.
+
+With `CacheConfig.hot_rows` = H > 0, every CSA layer keeps, per slot, H device rows holding
+C4 entries its indexer picked (`pools.HotSet`). A CSA read goes: indexer top-k -> `resident`
+(the picks a slot's hot rows do not hold are fetched into rows that are empty or least
+recently used, and every pick is renamed to the hot row holding it) -> the sparse read of the
+hot rows. The rows are exact copies of the stored entries and the sparse read sees them in
+the indexer's order, so outputs are the bits of a read from the pool.
+
+A group of queries is made resident at once when its picks fit: G = H // index_topk
+queries pick at most G * k <= H distinct entries, so no pick of the group evicts another
+(`group_size`). A prefill chunk is read G queries at a time, in position order.
+
+Rows are reused least recently used first, the clock being 1 + the position of the last
+query that picked the row (`used`; 0: never). `held` is the entry id + 1 (0: empty), so a
+slot whose State is cleared (reset, restore) starts with an empty hot set.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from v4kv_jax import paging, pools
+from v4kv_jax.config import AttentionConfig, CacheConfig
+from v4kv_jax.pools import HotSet
+
+_NONE = jnp.iinfo(jnp.int32).max  # sorts after every entry id
+FETCH_ROWS = 16  # rows per row that one copy from the host tier moves
+
+
+def group_size(model: AttentionConfig, geometry: CacheConfig) -> int:
+    """Queries whose picks are made resident at once: hot_rows // index_topk (>= 1)."""
+    return geometry.hot_rows // model.index_topk
+
+
+def _assign(picks: jax.Array, clock: jax.Array, held: jax.Array, used: jax.Array):
+    """One row: picks i32[N] (-1: none; at most H distinct) -> (hot row of each pick
+    i32[N] (-1: none), entries to fetch i32[N] (-1: none), their hot rows i32[N] (H: none),
+    new held, new used)."""
+    H, N = held.shape[0], picks.shape[0]
+    valid = picks >= 0
+    match = (held[None, :] == picks[:, None] + 1) & valid[:, None]
+    hit = match.any(axis=1)
+    hit_row = jnp.argmax(match, axis=1).astype(jnp.int32)
+    kept = jnp.zeros((H,), bool).at[jnp.where(hit, hit_row, H)].set(True, mode="drop")
+    miss = valid & ~hit
+    # Distinct missing entries, in id order; each gets the next free or least recent row.
+    key = jnp.where(miss, picks, _NONE)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    first = (sorted_key != _NONE) & (sorted_key != jnp.concatenate(
+        [jnp.full((1,), -1, jnp.int32), sorted_key[:-1]]))
+    rank = jnp.cumsum(first) - 1
+    free_first = jnp.argsort(jnp.where(kept, _NONE, jnp.where(held == 0, -1, used)),
+                             stable=True).astype(jnp.int32)
+    row_sorted = free_first[jnp.clip(rank, 0, H - 1)]
+    row_of_miss = jnp.zeros((N,), jnp.int32).at[order].set(row_sorted)
+    out = jnp.where(hit, hit_row, jnp.where(miss, row_of_miss, -1))
+    fetch = jnp.full((N,), -1, jnp.int32).at[jnp.where(first, rank, N)].set(sorted_key,
+                                                                            mode="drop")
+    dest = jnp.where(fetch >= 0, free_first[jnp.arange(N) % H], H)
+    held = held.at[dest].set(fetch + 1, mode="drop")
+    touched = jnp.zeros((H,), bool).at[jnp.where(out >= 0, out, H)].set(True, mode="drop")
+    return out, fetch, dest, held, jnp.where(touched, clock, used)
+
+
+def resident(picks: jax.Array, q_pos: jax.Array, hot: HotSet, entries: jax.Array, layer,
+             page_rows: jax.Array, *, host: bool = False) -> tuple[jax.Array, HotSet]:
+    """Makes a group's picks resident in the hot rows: (hot row of each pick i32[B, G, k]
+    (-1: none), the new `HotSet`).
+
+    Args:
+      picks: i32[B, G, k] the indexer's picks of G queries per row (at most H distinct).
+      q_pos: i32[B, G] their positions (the LRU clock).
+      hot: the layer's hot sets of the batch's rows (`pools.hot_rows`): [B, H, ...].
+      entries, layer, page_rows: the C4 entries [n_csa, num_pages, P // m, sw], the layer's
+        index in them and the rows' page-table rows, where misses are fetched from.
+      host: the entries live in host memory (c4_tier="host"): only the misses' rows are
+        gathered there and copied to the device (`pools.take_rows`).
+
+    A pick whose page is absent reads nothing, as in a read from the pool.
+    """
+    batch, groups, k = picks.shape
+    page, _ = paging.entry_pages(page_rows, picks, entries.shape[2])
+    flat = jnp.where(page >= 0, picks, -1).reshape(batch, groups * k)
+    clock = jnp.max(q_pos, axis=1) + 1
+    out, fetch, dest, held, used = jax.vmap(_assign)(flat, clock, hot.held, hot.used)
+    fetched = _fetch(entries, layer, page_rows, fetch, host)
+    rows = hot.rows.at[jnp.arange(batch)[:, None], dest].set(fetched, mode="drop")
+    return out.reshape(batch, groups, k), HotSet(rows, held, used)
+
+
+def _fetch(entries: jax.Array, layer, page_rows: jax.Array, fetch: jax.Array, host: bool
+           ) -> jax.Array:
+    """Rows [B, N, sw] of the entries `fetch` i32[B, N] (-1: none, after the ones to fetch).
+    From the device pool: one gather. From host memory: FETCH_ROWS rows per row at a time,
+    as many times as the row with the most misses needs, so the bytes that cross follow the
+    misses."""
+    if not host:
+        page, row = paging.entry_pages(page_rows, fetch, entries.shape[2])
+        return pools.take_rows(entries, layer, page, row, host=False)
+    batch, n = fetch.shape
+    blocks = -(-n // FETCH_ROWS)
+    fetch = jnp.pad(fetch, ((0, 0), (0, blocks * FETCH_ROWS - n)), constant_values=-1)
+    needed = -(-jnp.max(jnp.sum(fetch >= 0, axis=1)) // FETCH_ROWS)
+
+    def block(i, out):
+        ids = jax.lax.dynamic_slice_in_dim(fetch, i * FETCH_ROWS, FETCH_ROWS, axis=1)
+        page, row = paging.entry_pages(page_rows, ids, entries.shape[2])
+        rows = pools.take_rows(entries, layer, page, row, host=True)
+        return jax.lax.dynamic_update_slice_in_dim(out, rows, i * FETCH_ROWS, axis=1)
+
+    out = jnp.zeros((batch, blocks * FETCH_ROWS, entries.shape[-1]), entries.dtype)
+    return jax.lax.fori_loop(0, needed, block, out)[:, :n]
+
+
+def as_pages(hot: HotSet) -> tuple[jax.Array, jax.Array]:
+    """The hot rows as a pool a sparse read takes: (entries [1, B, H, sw], one page per row,
+    page_rows i32[B, 1]): hot row h of row b is entry h of page b."""
+    batch = hot.rows.shape[0]
+    return hot.rows[None], jnp.arange(batch, dtype=jnp.int32)[:, None]
+
+
+__all__ = ["as_pages", "group_size", "resident"]
