@@ -128,7 +128,7 @@ def test_hits_of_every_depth():
 def test_hits_with_the_c4_entries_in_host_memory():
     """HiSparse with the prefix cache on: the shared pages' C4 entries live on the host, a
     hit starts with an empty hot set and equals the cold run and the all-on-device engine."""
-    geometry = dataclasses.replace(GEOMETRY, hot_rows=16, c4_tier="host")
+    geometry = dataclasses.replace(GEOMETRY, c4_tier="host")  # 2 x index_topk hot rows
     eng = Engine(DECODER, geometry, prefill_chunk=CHUNK, keep_logits=True)
     eng.generate([BASE[:450]], 2)
     prompt = BASE[:400] + [1, 2, 3]

@@ -197,10 +197,14 @@ def test_pages_move_out_of_and_into_the_host_tier(runs):
     assert_same_bits(pools.read_pages(loaded, taken), pools.read_pages(loaded_device, taken))
 
 
-def test_host_c4_entries_need_a_hot_set():
-    with pytest.raises(ValueError, match=r"hot_rows: expected a hot set \(at least the "
-                                         r"model's index_topk\) with c4_tier='host'"):
-        v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="host")
+def test_host_c4_entries_need_a_hot_set_of_two_top_k_by_default():
+    host = v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="host")
+    assert pools.hot_set(v4.init_cache(MODEL, host)).held.shape == (MODEL.num_csa, 1, 16)
+    assert pools.hot_set(v4.init_cache(MODEL, geometry(0))) is None
+    with pytest.raises(ValueError, match=r"hot_rows: expected a hot set \(None, or at least "
+                                         r"the model's index_topk\) with c4_tier='host'"):
+        v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="host",
+                       hot_rows=0)
     with pytest.raises(ValueError, match=r"c4_tier: expected one of"):
         v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="disk")
 

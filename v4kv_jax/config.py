@@ -272,10 +272,11 @@ class CacheConfig:
       hca_tail: how the HCA compressor keeps its open block: "online" (running max, sum of
         exponentials and weighted sum, 3 x hd values per layer; `pools.OnlineTail`) or "ring"
         (the block's raw kv and gate rows; `pools.Tail`).
-      hot_rows: HiSparse's hot set (`v4kv_jax.hot`): 0 (the default) reads C4 entries
-        straight from the Classical pool; H > 0 keeps, per CSA layer and slot, H device rows
-        holding the entries the indexer picked (least recently used out), and the sparse read
-        reads only those. At least the model's index_topk; reads are bit-identical either way.
+      hot_rows: HiSparse's hot set (`v4kv_jax.hot`): 0 reads C4 entries straight from the
+        Classical pool; H > 0 keeps, per CSA layer and slot, H device rows holding the entries
+        the indexer picked (least recently used out), and the sparse read reads only those.
+        At least the model's index_topk; reads are bit-identical either way. None (the
+        default): 2 x index_topk with c4_tier="host", else 0 (`hot_set_rows`).
       c4_tier: where the CSA layers' C4 entries live: "device" or "host" (JAX's host memory
         space, `jax.memory.Space.Host`; HiSparse: needs hot_rows > 0, the read fetches the
         picks into the hot rows and new entries are written there as they are emitted).
@@ -295,13 +296,14 @@ class CacheConfig:
     tail_dtype: str = "float32"
     index_dtype: str = "float32"
     hca_tail: str = "ring"
-    hot_rows: int = 0
+    hot_rows: int | None = None
     c4_tier: str = "device"
 
     def __post_init__(self):
         for name in ("num_pages", "max_slots", "max_pages_per_seq", "page_tokens"):
             checks.integer(name, getattr(self, name), lo=1)
-        checks.integer("hot_rows", self.hot_rows, lo=0)
+        if self.hot_rows is not None:
+            checks.integer("hot_rows", self.hot_rows, lo=0)
         if self.page_tokens % SUPERBLOCK_TOKENS:
             checks.fail("page_tokens", f"a positive multiple of {SUPERBLOCK_TOKENS} (lcm of the "
                         "compression ratios)", self.page_tokens)
@@ -310,9 +312,9 @@ class CacheConfig:
                    "hca_tail": HCA_TAILS, "c4_tier": C4_TIERS}
         for name, choices in allowed.items():
             checks.one_of(name, getattr(self, name), choices)
-        if self.c4_tier == "host" and not self.hot_rows:
-            checks.fail("hot_rows", "a hot set (at least the model's index_topk) with "
-                        "c4_tier='host': reads fetch C4 entries into it", 0)
+        if self.c4_tier == "host" and self.hot_rows == 0:
+            checks.fail("hot_rows", "a hot set (None, or at least the model's index_topk) "
+                        "with c4_tier='host': reads fetch C4 entries into it", 0)
 
     @classmethod
     def with_formats(cls, formats: str, **fields) -> CacheConfig:
@@ -336,6 +338,13 @@ class CacheConfig:
         if self.hot_rows and self.hot_rows < model.index_topk:
             checks.fail("hot_rows", f"0 (no hot set) or at least the model's index_topk="
                         f"{model.index_topk}", self.hot_rows)
+
+    def hot_set_rows(self, model: AttentionConfig) -> int:
+        """Hot rows per CSA layer and slot: `hot_rows`, or by default 2 x the model's
+        index_topk with the C4 entries on the host and 0 (no hot set) on the device."""
+        if self.hot_rows is not None:
+            return self.hot_rows
+        return 2 * model.index_topk if self.c4_tier == "host" else 0
 
     def entries_per_page(self, ratio: int) -> int:
         return self.page_tokens // ratio

@@ -30,8 +30,8 @@ FETCH_ROWS = 16  # rows per row that one copy from the host tier moves
 
 
 def group_size(model: AttentionConfig, geometry: CacheConfig) -> int:
-    """Queries whose picks are made resident at once: hot_rows // index_topk (>= 1)."""
-    return geometry.hot_rows // model.index_topk
+    """Queries whose picks are made resident at once: hot rows // index_topk (>= 1)."""
+    return geometry.hot_set_rows(model) // model.index_topk
 
 
 def _assign(picks: jax.Array, clock: jax.Array, held: jax.Array, used: jax.Array):

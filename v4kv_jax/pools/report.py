@@ -245,9 +245,9 @@ def state_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> in
             total += 3 * n * storage.tail_codec(geometry, spec.width).row_bytes
         else:
             total += 2 * n * spec.ring * storage.tail_codec(geometry, spec.in_width).row_bytes
-    if geometry.hot_rows:
+    if geometry.hot_set_rows(model):
         c4_row = storage.codec(model, geometry, "csa").row_bytes
-        total += model.num_csa * geometry.hot_rows * (c4_row + 8)
+        total += model.num_csa * geometry.hot_set_rows(model) * (c4_row + 8)
     return total + 8
 
 

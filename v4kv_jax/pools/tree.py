@@ -294,9 +294,10 @@ def free_pages(cache: Cache) -> jax.Array:
 
 
 def _empty_hot_set(model: AttentionConfig, geometry: CacheConfig) -> HotSet | None:
-    if not geometry.hot_rows:
+    rows_per_slot = geometry.hot_set_rows(model)
+    if not rows_per_slot:
         return None
-    shape = (model.num_csa, geometry.max_slots, geometry.hot_rows)
+    shape = (model.num_csa, geometry.max_slots, rows_per_slot)
     rows = storage.codec(model, geometry, "csa")
     return HotSet(rows=jnp.zeros((*shape, rows.stored_width), rows.dtype),
                   held=jnp.zeros(shape, jnp.int32), used=jnp.zeros(shape, jnp.int32))
