@@ -44,6 +44,17 @@ def bench_model(args) -> cfg.AttentionConfig:
                      index_topk=args.topk)
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The reduced widths `bench_model` reads."""
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rope-dim", type=int, default=64,
+                   help="RoPE dims (head_dim - rope_dim a multiple of 64 for fp8_latent)")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--index-heads", type=int, default=8)
+    p.add_argument("--index-head-dim", type=int, default=64)
+    p.add_argument("--topk", type=int, default=512)
+
+
 def timed(fn, *args, repeats: int):
     """(first call seconds incl. compile, median of `repeats` later calls, last result)."""
     t0 = time.perf_counter()
@@ -204,13 +215,7 @@ def main(argv=None):
                    help="storage formats, one row each (CacheConfig.with_formats)")
     p.add_argument("--implementation", default="auto", choices=cfg.IMPLEMENTATIONS,
                    help="the ops' implementation (auto: Pallas on TPU / GPU, jnp on CPU)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--rope-dim", type=int, default=64,
-                   help="RoPE dims (head_dim - rope_dim a multiple of 64 for fp8_latent)")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--index-heads", type=int, default=8)
-    p.add_argument("--index-head-dim", type=int, default=64)
-    p.add_argument("--topk", type=int, default=512)
+    add_model_arguments(p)
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--dense-limit-gib", type=float, default=12.0)
     p.add_argument("--out", default=os.path.join(HERE, "results", "decode.json"))

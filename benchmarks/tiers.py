@@ -25,7 +25,7 @@ import time
 
 import jax
 import numpy as np
-from decode import bench_model
+from decode import add_model_arguments, bench_model
 from measure import write_result
 
 from v4kv_jax import config as cfg
@@ -119,12 +119,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--implementation", default="auto", choices=cfg.IMPLEMENTATIONS)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--rope-dim", type=int, default=64)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--index-heads", type=int, default=8)
-    p.add_argument("--index-head-dim", type=int, default=64)
-    p.add_argument("--topk", type=int, default=512)
+    add_model_arguments(p)
     p.add_argument("--out", default=os.path.join(HERE, "results", "tiers.json"))
     args = p.parse_args(argv)
     write_result(run(args), args.out)

@@ -362,7 +362,7 @@ def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypa
     want_out, want_picks = run(jax.tree.map(jnp.copy, cache))
     calls = []
 
-    def nothing_resident(picks, q_pos, stored):
+    def nothing_resident(geometry, picks, q_pos, stored):
         calls.append(picks.shape)
         return jnp.full_like(picks, -1), stored
 

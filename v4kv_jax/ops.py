@@ -350,10 +350,9 @@ class Stored:
       entries: the kind's entries of every layer (C4 [n_csa, ...] for CSA, C128 [n_hca, ...]
         for HCA; None for SWA).
       index_keys: CSA only: the indexer keys [n_csa, ...].
-      hot: CSA only, with `CacheConfig.hot_rows` > 0: the layer's hot sets of the rows
-        (`pools.hot_rows`, [B, H, ...]); the sparse read reads only them.
-      on_host: CSA only: the C4 entries live in host memory (c4_tier="host"; static); then
-        `hot` is required.
+      hot: CSA only, with a hot set (`CacheConfig.hot_set_rows` > 0): the layer's hot sets
+        of the rows (`pools.hot_rows`, [B, H, ...]); the sparse read reads only them.
+        Required when the C4 entries live in host memory (c4_tier="host").
     """
 
     layer: jax.Array
@@ -361,15 +360,15 @@ class Stored:
     entries: jax.Array | None = None
     index_keys: jax.Array | None = None
     hot: pools.HotSet | None = None
-    on_host: bool = struct.field(pytree_node=False, default=False)
 
 
-def make_resident(picks: jax.Array, q_pos: jax.Array, stored: Stored
+def make_resident(geometry: CacheConfig, picks: jax.Array, q_pos: jax.Array, stored: Stored
                   ) -> tuple[jax.Array, Stored]:
     """The one place where a CSA layer's picked entries are made readable before the sparse
     read: (the ids the sparse read uses, the `Stored` it reads them from).
 
-    Without a hot set both pass through unchanged. With one (`stored.hot`), the picks
+    Without a hot set both pass through unchanged. With one (`stored.hot`; from host memory
+    when `geometry.c4_tier` is "host"), the picks
     i32[B, G, k] of G queries at positions q_pos i32[B, G] (at most hot_rows distinct) are
     copied into the rows' hot rows where not there yet (`hot.resident`), and the read gets
     the hot rows as its pool, the picks renamed to the rows holding them, and the new hot
@@ -377,7 +376,7 @@ def make_resident(picks: jax.Array, q_pos: jax.Array, stored: Stored
     if stored.hot is None:
         return picks, stored
     rows, hot = hot_set.resident(picks, q_pos, stored.hot, stored.entries, stored.layer,
-                                 stored.page_rows, host=stored.on_host)
+                                 stored.page_rows, host=geometry.c4_tier == "host")
     entries, page_rows = hot_set.as_pages(hot)
     return rows, stored.replace(layer=jnp.zeros((), jnp.int32), page_rows=page_rows,
                                 entries=entries, hot=hot)
@@ -405,14 +404,14 @@ def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
       longer chunk runs the reference, `options.query_tile` queries at a time.
     """
     options = _options(options)
-    _check_read(kind, model, queries, q_pos, kv_end, window, stored)
+    _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored)
     if kind != LayerKind.SWA and queries.q.shape[1] == 1 and window.chunk is None:
         return _read_decode(kind, model, geometry, options, queries, q_pos[:, 0], kv_end,
                             window, stored)
     return _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored)
 
 
-def _check_read(kind, model, queries, q_pos, kv_end, window, stored) -> None:
+def _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored) -> None:
     """Static checks of `read`'s arguments (they run inside jit too), naming the argument."""
     if not isinstance(kind, LayerKind):
         checks.fail("kind", "a LayerKind", repr(kind), TypeError)
@@ -431,7 +430,7 @@ def _check_read(kind, model, queries, q_pos, kv_end, window, stored) -> None:
     for field in needed:
         if getattr(stored, field) is None:
             checks.fail(f"stored.{field}", f"the stored array of a {kind.name} layer", None)
-    if stored.on_host and stored.hot is None:
+    if kind == LayerKind.CSA and geometry.c4_tier == "host" and stored.hot is None:
         checks.fail("stored.hot", "the rows' hot sets: C4 entries in host memory are read "
                     "through them", None)
     if stored.hot is not None:
@@ -460,7 +459,7 @@ def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window,
                        layer=stored.layer, page_rows=stored.page_rows,
                        index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
                        q_pos=q_pos, kv_end=kv_end)
-    rows, stored = make_resident(picks[:, None], q_pos[:, None], stored)
+    rows, stored = make_resident(geometry, picks[:, None], q_pos[:, None], stored)
     out = sparse_decode_attention(model, geometry, options, c4=stored.entries,
                                   c4_layer=stored.layer, page_rows=stored.page_rows,
                                   picks=rows[:, 0], **common)
@@ -486,7 +485,7 @@ def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, ba
                                index_q=indexer.prepare_index_query(geometry, queries.index_q),
                                index_weights=queries.index_weights, q_pos=q_pos, kv_end=kv_end)
     if stored.hot is None:
-        rows, stored = make_resident(picks, q_pos, stored)
+        rows, stored = make_resident(geometry, picks, q_pos, stored)
         return attend(queries.q, q_pos, rows, stored), picks, None
 
     group = hot_set.group_size(model, geometry)
@@ -495,7 +494,7 @@ def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, ba
 
     def one_group(hot, args):
         q, pos, picked = args
-        rows, read_from = make_resident(picked, pos, stored.replace(hot=hot))
+        rows, read_from = make_resident(geometry, picked, pos, stored.replace(hot=hot))
         return read_from.hot, attend(q, pos, rows, read_from)
 
     hot, out = jax.lax.scan(one_group, stored.hot, (q_g, pos_g, picks_g))

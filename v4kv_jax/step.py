@@ -41,8 +41,7 @@ def _read(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
         csa = pools.csa_entries(cache)
         if pools.hot_set(cache) is not None:
             hot = pools.hot_rows(cache, ref.kind_layer, slot_ids)
-        stored = ops.Stored(ref.kind_layer, rows, csa.c4, csa.index_keys, hot,
-                            on_host=cache.geometry.c4_tier == "host")
+        stored = ops.Stored(ref.kind_layer, rows, csa.c4, csa.index_keys, hot)
     elif ref.kind == LayerKind.HCA:
         stored = ops.Stored(ref.kind_layer, rows, pools.hca_entries(cache).c128)
     else:
