@@ -12,9 +12,13 @@ wrote first, timed from `add_request` to its first token, in a fresh engine per 
 
 (b) Chat: conversations over a shared system prompt; each turn is the conversation so far
 (system prompt, earlier user texts and replies) plus a new user text, and generates a reply.
-Reports per turn the cached / prompt tokens, what full-page sharing allows (the whole pages
-of the longest prefix the engine has computed before, the prompt's last token excluded), the
-replayed tokens and the median TTFT; and in total the peak pages in use.
+The device pool (`--chat-pages`) is too small for every conversation, so cold pages move to
+the host tier (`--host-pages`) and on to a disk tier (a temporary directory) and come back on
+a hit. Reports per turn the cached / prompt tokens, what full-page sharing allows (the whole
+pages of the longest prefix the engine has computed before, the prompt's last token
+excluded), the cached tokens served from each tier, the replayed tokens and the median TTFT;
+the median TTFT by the lowest tier a request's hit came from; and in total the peak pages in
+use and the pages demoted and promoted.
 
 The model is the `v4kv demo` decoder (6 layers: SWA, SWA, CSA, HCA, CSA, HCA; hidden 256,
 W 128, so R = 763 tokens, 6 pages) with random weights, on whatever JAX backend is present.
@@ -27,6 +31,7 @@ W 128, so R = 763 tokens, 6 pages) with random weights, on whatever JAX backend 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -108,18 +113,23 @@ def run_ttft(model, geometry, args, rng) -> list[dict]:
     return rows
 
 
-def run_chat(model, geometry, args, rng) -> dict:
+def run_chat(model, geometry, args, rng, directory) -> dict:
     P = geometry.page_tokens
+    geometry = dataclasses.replace(geometry, num_pages=args.chat_pages)
     engine = Engine(model, geometry, prefill_chunk=args.chunk,
-                    snapshot_every_pages=args.snapshot_every)
+                    snapshot_every_pages=args.snapshot_every, host_pages=args.host_pages,
+                    snapshot_dir=directory)
+    engine.generate([[1, 2, 3]], 2, cache_salt="warm-up")  # its pool size compiles anew
     system = rng.integers(0, args.vocab, args.system).tolist()
     conversations = [list(system) for _ in range(args.conversations)]
     computed: list[list[int]] = []  # sequences whose pages the engine has computed
-    turns, peak = [], 0
+    turns, peak, by_tier = [], 0, {t: [] for t in ("none", "device", "host", "disk")}
     print(f"\n{'turn':>4} {'prompt':>8} {'cached':>8} {'allowed':>8} {'cached %':>8} "
-          f"{'of allowed':>10} {'replayed':>9} {'TTFT ms':>8}", flush=True)
+          f"{'of allowed':>10} {'device':>7} {'host':>7} {'disk':>7} {'replayed':>9} "
+          f"{'TTFT ms':>8}", flush=True)
     for t in range(args.turns):
         prompt_tokens = cached = allowed = replayed = 0
+        tiers = dict.fromkeys(("device", "host", "disk"), 0)
         ttfts = []
         for c, conversation in enumerate(conversations):
             prompt = conversation + rng.integers(0, args.vocab, args.user).tolist()
@@ -129,29 +139,41 @@ def run_chat(model, geometry, args, rng) -> dict:
             peak = max(peak, engine.memory_report().cache.pages_used)
             out = finish(engine, r, done)
             ttfts.append(seconds)
+            lowest = next((k for k in ("disk", "host", "device") if out.cached_from.get(k)),
+                          "none")
+            by_tier[lowest].append(seconds)
             prompt_tokens += len(prompt)
             cached += out.cached_tokens
             replayed += out.replayed_tokens
+            for k in tiers:
+                tiers[k] += out.cached_from.get(k, 0)
             conversations[c] = prompt + out.tokens
             computed.append(prompt + out.tokens[:-1])  # the last reply token is not appended
         turn = dict(turn=t + 1, prompt_tokens=prompt_tokens, cached_tokens=cached,
-                    allowed_tokens=allowed, replayed_tokens=replayed,
+                    allowed_tokens=allowed, cached_from=tiers, replayed_tokens=replayed,
                     ttft_ms_median=1e3 * statistics.median(ttfts))
         turns.append(turn)
         print(f"{t + 1:>4} {prompt_tokens:>8} {cached:>8} {allowed:>8} "
               f"{100 * cached / prompt_tokens:7.1f}% {_pct(cached, allowed):>10} "
+              f"{tiers['device']:>7} {tiers['host']:>7} {tiers['disk']:>7} "
               f"{replayed:>9} {turn['ttft_ms_median']:8.1f}", flush=True)
     report = engine.memory_report()
     total = {k: sum(t[k] for t in turns) for k in ("prompt_tokens", "cached_tokens",
                                                    "allowed_tokens", "replayed_tokens")}
+    moved = {k: report.stats[k] for k in ("pages_evicted", "pages_to_host", "pages_to_disk",
+                                          "pages_dropped", "pages_from_host", "pages_from_disk")}
+    ttft_by_tier = {k: (1e3 * statistics.median(v), len(v)) for k, v in by_tier.items() if v}
     total.update(cached_fraction=total["cached_tokens"] / total["prompt_tokens"],
                  cached_of_allowed=total["cached_tokens"] / max(1, total["allowed_tokens"]),
-                 peak_pages=peak, pages_evicted=report.stats["pages_evicted"],
-                 snapshots=report.snapshots)
+                 peak_pages=peak, snapshots=report.snapshots, pages=moved,
+                 ttft_ms_median_by_lowest_tier=ttft_by_tier)
     print(f"total: {total['cached_tokens']:,} of {total['prompt_tokens']:,} prompt tokens cached "
           f"({100 * total['cached_fraction']:.1f} %; {100 * total['cached_of_allowed']:.1f} % of "
           f"what full-page sharing allows), {total['replayed_tokens']:,} replayed, peak "
-          f"{peak} pages of {geometry.num_pages}, {total['pages_evicted']} evicted", flush=True)
+          f"{peak} pages of {geometry.num_pages}", flush=True)
+    print("pages: " + ", ".join(f"{k[6:]} {v}" for k, v in moved.items()), flush=True)
+    print("median TTFT by the lowest tier of the hit: " + ", ".join(
+        f"{k} {ms:.1f} ms ({n} requests)" for k, (ms, n) in ttft_by_tier.items()), flush=True)
     return dict(turns=turns, total=total)
 
 
@@ -179,6 +201,9 @@ def run(args) -> dict:
     warm.generate([[1, 2, 3]], 2)
     print(f"compile: {time.perf_counter() - t0:.1f} s (one step program for every run below)",
           flush=True)
+    ttft_rows = run_ttft(model, geometry, args, rng)
+    with tempfile.TemporaryDirectory() as directory:
+        chat = run_chat(model, geometry, args, rng, directory)
     return dict(
         benchmark="prefix",
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
@@ -187,8 +212,8 @@ def run(args) -> dict:
                    window=attention.window, vocab=args.vocab,
                    replay_tokens=warm.replay_pages * geometry.page_tokens),
         settings={k: v for k, v in vars(args).items() if k != "out"},
-        ttft=run_ttft(model, geometry, args, rng),
-        chat=run_chat(model, geometry, args, rng),
+        ttft=ttft_rows,
+        chat=chat,
     )
 
 
@@ -205,6 +230,9 @@ def main(argv=None):
     p.add_argument("--snapshot-every", type=int, default=4, help="chat: snapshot_every_pages")
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk")
     p.add_argument("--pages", type=int, default=160)
+    p.add_argument("--chat-pages", type=int, default=28,
+                   help="the chat's device pool (too small for every conversation)")
+    p.add_argument("--host-pages", type=int, default=16, help="chat: the host tier of pages")
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)

@@ -228,12 +228,14 @@ def test_eviction_never_frees_a_live_request_page():
 def test_a_new_engine_over_the_directory_hits(tmp_path):
     writer = engine(device_snapshots=0, host_snapshots=0, snapshot_dir=tmp_path)
     writer.generate([BASE[:450]], 2)
-    assert len(os.listdir(tmp_path)) == 1
+    # One snapshot file, its chain's three pages in one file each.
+    assert sorted(n.split(".")[1] for n in os.listdir(tmp_path)) == ["v4page"] * 3 + ["v4snap"]
     reader = engine(snapshot_dir=tmp_path)  # another engine: its pool holds nothing
     prompt = BASE[:400] + [9]
     (hit,) = reader.generate([prompt], 4)
     assert restore(hit) == (384, 0, "snapshot", "disk")
-    assert reader.memory_report().stats["pages_loaded"] == 3
+    assert hit.cached_from == {"device": 0, "host": 0, "disk": 384}
+    assert reader.memory_report().stats["pages_from_disk"] == 3
     assert_same(hit, cold(reader, prompt))
     # Other weights: a different fingerprint never hits (and never reads the file).
     other = engine(Decoder(CONFIG, rngs=nnx.Rngs(2), bias_scale=0.5), snapshot_dir=tmp_path)
@@ -278,7 +280,7 @@ def test_the_disk_tier_is_reused_by_another_process(tmp_path):
 def test_a_bad_snapshot_file_falls_back_to_replay(tmp_path, damage):
     eng = engine(device_snapshots=0, host_snapshots=0, snapshot_dir=tmp_path)
     eng.generate([BASE[:450]], 2)
-    (name,) = os.listdir(tmp_path)
+    (name,) = [n for n in os.listdir(tmp_path) if n.endswith(".v4snap")]
     path = os.path.join(tmp_path, name)
     raw = open(path, "rb").read()
     raw = raw[:-100] + bytes([raw[-100] ^ 4]) + raw[-99:] if damage == "flip" else raw[:-7]

@@ -88,10 +88,9 @@ def test_index_longest_chain_and_lru_eviction():
     refcount[0] = 2
     assert index.evictable(refcount) == 3
     # LRU: chain a was used before chain b, but pages 0 and 1 are held: a[2] goes first.
-    assert index.evict(1, refcount) == [2]
+    assert index.evict(1, refcount) == [(a[2], 2)]
     assert index.evict(1, refcount, keep=frozenset(b)) == []
-    # Dropping a link drops every deeper link hanging on it (they could not be found).
-    assert sorted(index.evict(2, refcount)) == [10, 11]
+    assert index.evict(2, refcount) == [(b[1], 11), (b[0], 10)]  # deepest first
     assert len(index) == 2 and sorted(index.clear()) == [0, 1] and len(index) == 0
 
 
@@ -104,7 +103,7 @@ def test_evicting_a_parent_drops_children_held_by_a_live_request():
     index.add(a[1], a[0], page=7)
     refcount = np.zeros(8, np.int32)
     refcount[4], refcount[7] = 1, 2
-    assert sorted(index.evict(1, refcount)) == [4, 7]
+    assert sorted(p for _, p in index.evict(1, refcount)) == [4, 7]
     assert len(index) == 0
 
 
@@ -117,9 +116,9 @@ def _snapshot(value):
     return jax.tree.map(lambda x: jnp.full_like(x, value), snap)
 
 
-def _store(tmp_path, contents, **sizes):
+def _store(tmp_path, store_chain, **sizes):
     template = jax.eval_shape(lambda c: v4.snapshot_state(c, 0), new_cache())
-    return prefix.SnapshotStore(template, directory=tmp_path, page_contents=contents, **sizes)
+    return prefix.SnapshotStore(template, directory=tmp_path, store_chain=store_chain, **sizes)
 
 
 def _record(tag, pages=2):
@@ -127,12 +126,13 @@ def _record(tag, pages=2):
     return prefix.SnapshotRecord(chain[-1], pages * P, chain)
 
 
-def _pages(record):
-    return {"csa": np.full((2, len(record.chain), 32, 32), record.chain[0][0], np.float32)}
+def _chain_on_disk(record):
+    """A store_chain whose chains are always on disk (their pages are not this test's)."""
+    return True
 
 
 def test_tiers_demote_by_lru_and_files_round_trip(tmp_path):
-    store = _store(tmp_path, _pages, device_snapshots=1, host_snapshots=1, disk_snapshots=2)
+    store = _store(tmp_path, _chain_on_disk, device_snapshots=1, host_snapshots=1, disk_snapshots=2)
     records = [_record(t) for t in range(1, 6)]
     for r in records[:3]:
         store.put(r, _snapshot(r.chain[0][0]))
@@ -143,7 +143,6 @@ def test_tiers_demote_by_lru_and_files_round_trip(tmp_path):
     loaded = store.get(records[0].key)
     assert loaded.tier == "disk" and loaded.record == records[0]
     assert (loaded.state.window == 1).all() and int(loaded.state.length) == 1
-    np.testing.assert_array_equal(loaded.pages["csa"], _pages(records[0])["csa"])
     for r in records[3:]:
         store.put(r, _snapshot(r.chain[0][0]))
     # Disk holds 2: records[0] (read before records[1] and [2] were written) fell off.
@@ -152,14 +151,14 @@ def test_tiers_demote_by_lru_and_files_round_trip(tmp_path):
     names = sorted(os.listdir(tmp_path))
     assert all(n.endswith(".v4snap") for n in names) and len(names) == 2
     # A new store over the directory finds the files (another process, the same way).
-    again = _store(tmp_path, _pages, device_snapshots=1, host_snapshots=1)
+    again = _store(tmp_path, _chain_on_disk, device_snapshots=1, host_snapshots=1)
     assert sorted(r.key for r in records if again.tier_of(r.key) == "disk") == sorted(
         bytes.fromhex(n.split(".")[0]) for n in names)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "other_key"])
 def test_a_bad_file_is_reported_deleted_and_never_used(tmp_path, damage):
-    store = _store(tmp_path, _pages, device_snapshots=0, host_snapshots=0)
+    store = _store(tmp_path, _chain_on_disk, device_snapshots=0, host_snapshots=0)
     r, other = _record(1), _record(2)
     store.put(r, _snapshot(1.0))
     store.put(other, _snapshot(2.0))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from v4kv_jax import checks, pools, prefix, programs
+from v4kv_jax import checks, page_tiers, pools, prefix, programs
 from v4kv_jax.config import CacheConfig, Options
 from v4kv_jax.manager import PageShortfall, PoolExhaustedError
 from v4kv_jax.nn.generate import ModelCache, sample
@@ -141,6 +141,11 @@ class Engine(ModelCache):
       snapshot_every_pages: also snapshot the State every this many pages (None: only at
         the last full page boundary of every prompt).
       device_snapshots, host_snapshots: sizes of the device and host snapshot tiers.
+      host_pages: the host tier of cold pages, in pages (None: num_pages, as many as the
+        device pool). A listed page no request holds is moved there when the pool needs
+        room, then (least recently used first) to `snapshot_dir` as one file per page; a
+        prompt that hits it gets it back in the pool before its first step. 0: none (pages
+        go straight to disk, or are dropped without a `snapshot_dir`).
       snapshot_dir: the disk tier's directory (None: no disk tier; made if missing; one that
         cannot be written is a read-only tier, said once by a warning); an engine over a
         directory another engine of the same fingerprint wrote (and `flush`ed or `close`d)
@@ -156,7 +161,7 @@ class Engine(ModelCache):
     def __init__(self, model: Decoder, geometry: CacheConfig, *, prefill_chunk: int = 128,
                  token_budget: int | None = None, snapshot_every_pages: int | None = None,
                  device_snapshots: int = 8, host_snapshots: int = 32,
-                 snapshot_dir: str | os.PathLike | None = None,
+                 host_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
                  disk_snapshots: int | None = None, disk_bytes: int | None = prefix.DISK_BYTES,
                  seed: int = 0, keep_logits: bool = False, options: Options | None = None):
         super().__init__(model, geometry, options)
@@ -185,6 +190,7 @@ class Engine(ModelCache):
         self.prefix_cache = PrefixCache(
             self, replay_pages=self.replay_pages, snapshot_every_pages=snapshot_every_pages,
             device_snapshots=device_snapshots, host_snapshots=host_snapshots,
+            host_pages=geometry.num_pages if host_pages is None else host_pages,
             snapshot_dir=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes)
         self._requests: dict[int, Request] = {}
         self._queue: list[int] = []
@@ -513,6 +519,7 @@ class Engine(ModelCache):
             request_id=req.id, prompt_ids=req.prompt.tolist(), tokens=list(req.generated),
             finish_reason=reason, cached_tokens=req.cached, replayed_tokens=req.replayed,
             restored_by=req.restored_by, snapshot_tier=req.snapshot_tier,
+            cached_from=dict(req.cached_from),
             logits=np.stack(req.logits) if self.keep_logits and req.logits else (
                 np.zeros((0, self.config.vocab_size), np.float32) if self.keep_logits
                 else None))
@@ -544,6 +551,7 @@ class Engine(ModelCache):
                 self._release(req)
                 req.length = req.cached = req.replay_at = req.replay_end = req.replayed = 0
                 req.digests, req.restored_by, req.snapshot_tier = [], "none", None
+                req.cached_from = {}
             raise
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(req.prompt)
@@ -559,7 +567,7 @@ class Engine(ModelCache):
         table = np.asarray(pools.page_table(self.cache))
         holders = np.bincount(table[table >= 0], minlength=self.geometry.num_pages)
         listed = set(self.index.pages().values())
-        disk = self.snapshots.disk
+        disk, page_disk = self.snapshots.disk, self.prefix_cache.cold.disk
         return EngineReport(
             cache=pools.memory_report(self.cache),
             pages_in_requests=int(np.sum(holders > 0)),
@@ -568,10 +576,14 @@ class Engine(ModelCache):
             pages_cached_only=sum(1 for p in listed if holders[p] == 0),
             snapshots={t: (self.snapshots.count(t), self.snapshots.nbytes(t))
                        for t in prefix.TIERS},
-            stats={**self.stats, **self.prefix_cache.stats,
+            cold_pages={t: (self.prefix_cache.cold.count(t), self.prefix_cache.cold.nbytes(t))
+                        for t in page_tiers.TIERS},
+            stats={**self.stats, **self.prefix_cache.stats, **self.prefix_cache.cold.stats,
                    "snapshots_dropped": self.snapshots.dropped,
-                   "disk_errors": 0 if disk is None else disk.errors},
-            snapshot_dir=None if disk is None else disk.describe(),
+                   "disk_errors": 0 if disk is None else disk.errors + page_disk.errors},
+            snapshot_dir=None if disk is None else (
+                f"{disk.describe()}; page files: {len(page_disk)}, {page_disk.nbytes:,} B, "
+                f"{page_disk.errors} filesystem errors caught"),
         )
 
 

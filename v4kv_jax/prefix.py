@@ -10,8 +10,8 @@ and the boundary snapshots of the State in three tiers.
   SnapshotStore   digest of the page before a boundary -> the State at that boundary
                   (`pools.StateSnapshot`): a bounded device tier, demoted by LRU to a bounded
                   host tier (numpy) and to a directory (one checksummed file per snapshot,
-                  with the contents of its chain's pages, so that another process hits;
-                  `prefix_disk` catches every filesystem fault there)
+                  naming its chain, whose pages are files of `page_tiers`, so that another
+                  process hits; `prefix_disk` catches every filesystem fault there)
 
 A digest names a whole prefix: equal digests mean equal token ids in every block before it,
 under the same fingerprint and salt (sha256; Python's hash() is never used).
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import os
 from collections.abc import Callable, Sequence
 
@@ -31,9 +30,9 @@ import numpy as np
 
 from v4kv_jax import checks
 from v4kv_jax.pools import StateSnapshot
-from v4kv_jax.prefix_disk import SnapshotDirectory
+from v4kv_jax.prefix_disk import SnapshotDirectory, pack, unpack
 
-_FORMAT = b"V4KV-SNAPSHOT-1\n"
+_FORMAT = b"V4KV-SNAPSHOT-2\n"
 TIERS = ("device", "host", "disk")
 
 
@@ -159,15 +158,15 @@ class PrefixIndex:
         self._touch(digest)
         return True
 
-    def _remove(self, digest: bytes) -> list[int]:
-        """Drops `digest` and every deeper link hanging on it; returns their pages."""
+    def _remove(self, digest: bytes) -> list[tuple[bytes, int]]:
+        """Drops `digest` and every deeper link hanging on it; returns their (digest, page)."""
         entry = self._entries.pop(digest)
         if entry.parent is not None and entry.parent in self._entries:
             self._entries[entry.parent].children.discard(digest)
-        pages = [entry.page]
+        dropped = [(digest, entry.page)]
         for child in list(entry.children):
-            pages += self._remove(child)
-        return pages
+            dropped += self._remove(child)
+        return dropped
 
     def evictable(self, refcount: np.ndarray, keep: frozenset = frozenset()) -> int:
         """Pages that `evict` could free: listed pages no one but the index holds, outside
@@ -175,21 +174,24 @@ class PrefixIndex:
         return sum(1 for d, e in self._entries.items() if refcount[e.page] == 1 and d not in keep)
 
     def evict(self, n_pages: int, refcount: np.ndarray, keep: frozenset = frozenset()
-              ) -> list[int]:
+              ) -> list[tuple[bytes, int]]:
         """Drops least-recently-used links whose page no one but the index holds (refcount
-        1), each with the deeper links hanging on it, until `n_pages` pages would be freed or
-        none is left; links in `keep` (and so their ancestors' chains) stay. Returns every
-        dropped link's page (give the index's references back: a page a live request holds
-        loses only that reference and stays)."""
+        1) until `n_pages` pages would be freed or none is left: the deepest links first (a
+        link with no deeper link listed), so what stays is still each chain's prefix; a link
+        whose deeper links are all held elsewhere goes with them (they lose only the index's
+        reference). Links in `keep` (and so their ancestors' chains) stay. Returns every
+        dropped link's (digest, page) (give the index's references back: a page a live
+        request holds stays)."""
         dropped, freed = [], 0
         while freed < n_pages:
             idle = [(e.last_used, d) for d, e in self._entries.items()
                     if refcount[e.page] == 1 and d not in keep]
             if not idle:
                 break
-            pages = self._remove(min(idle)[1])
-            freed += sum(1 for p in pages if refcount[p] == 1)
-            dropped += pages
+            leaves = [x for x in idle if not self._entries[x[1]].children]
+            links = self._remove(min(leaves or idle)[1])
+            freed += sum(1 for _, p in links if refcount[p] == 1)
+            dropped += links
         return dropped
 
     def clear(self) -> list[int]:
@@ -216,14 +218,11 @@ class SnapshotRecord:
 @dataclasses.dataclass
 class LoadedSnapshot:
     """A snapshot found in a tier: the State (jax arrays from the device tier, numpy from the
-    host and disk tiers); from the disk tier also the Classical contents of its chain's
-    pages (compressor name -> [n_kind_layers, pages, P // m, width], as `pools.read_pages`
-    returns them)."""
+    host and disk tiers)."""
 
     record: SnapshotRecord
     state: StateSnapshot
     tier: str
-    pages: dict[str, np.ndarray] | None = None
 
 
 def _nbytes(snapshot: StateSnapshot) -> int:
@@ -239,11 +238,13 @@ class SnapshotStore:
     numpy (up to `host_snapshots`), and files in a directory (`prefix_disk.SnapshotDirectory`:
     up to `disk_snapshots` files and `disk_bytes` bytes). A snapshot is put on the device
     tier; the least recently used one of a full tier moves down a tier (to disk only when
-    `page_contents` can read its chain's pages), and one falling off the last tier is dropped.
+    `store_chain` puts its chain's pages on disk), and one falling off the last tier is dropped.
     `flush()` also writes every device and host snapshot to disk (they stay where they are),
     so another process over the directory hits them.
 
-    A file holds a sha256 of its payload and the contents of its chain's pages. A file that is
+    A file holds a sha256 of its payload and its chain's digests; the pages' contents are
+    files of the page tiers (`page_tiers.PageTiers`), one per page whatever number of
+    snapshots refer to it. A file that is
     truncated, corrupt, of another format, or whose arrays do not fit the snapshot structure
     is reported with `warnings.warn` naming it, deleted (unless the directory is read-only),
     and never used. Filesystem faults are the directory's to catch: a snapshot that cannot be
@@ -257,15 +258,15 @@ class SnapshotStore:
         or None for no disk tier. Files already there are found by name and checked when read.
       disk_snapshots: disk tier size in files (>= 0), or None for no bound on the count.
       disk_bytes: disk tier size in bytes (>= 0; default `DISK_BYTES`), or None for no bound.
-      page_contents: record -> the Classical contents of the record's chain pages (numpy,
-        as `LoadedSnapshot.pages`), or None when they are no longer in the pool.
+      store_chain: record -> True when every page of the record's chain is on disk afterwards
+        (written there when it was not), False when one could not be.
       directory_name: the argument name that errors about `directory` use.
     """
 
     def __init__(self, template: StateSnapshot, *, device_snapshots: int, host_snapshots: int,
                  directory: str | os.PathLike | None = None, disk_snapshots: int | None = None,
                  disk_bytes: int | None = DISK_BYTES,
-                 page_contents: Callable[[SnapshotRecord], dict | None] | None = None,
+                 store_chain: Callable[[SnapshotRecord], bool] | None = None,
                  directory_name: str = "directory"):
         self.device_snapshots = checks.integer("device_snapshots", device_snapshots, lo=0)
         self.host_snapshots = checks.integer("host_snapshots", host_snapshots, lo=0)
@@ -279,7 +280,7 @@ class SnapshotStore:
                                           max_bytes=disk_bytes, name=directory_name)
         self._structure = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        template)
-        self._page_contents = page_contents
+        self._store_chain = store_chain
         self._tiers: dict[str, collections.OrderedDict] = {
             t: collections.OrderedDict() for t in TIERS[:2]}
         self._bytes = {t: 0 for t in TIERS[:2]}
@@ -388,60 +389,34 @@ class SnapshotStore:
 
     def _to_disk(self, record: SnapshotRecord, state: StateSnapshot) -> bool:
         """Stores the snapshot as a file; True when the disk tier holds it afterwards."""
-        if self.disk is None or self._page_contents is None:
+        if self.disk is None or self._store_chain is None:
             return False
         if record.key in self.disk:
             self.disk.touch(record.key)
             return True
         if self.disk.read_only is not None or self.disk.max_files == 0:
             return False
-        pages = self._page_contents(record)
-        if pages is None:  # its chain's pages left the pool: nothing to restore it with
+        if not self._store_chain(record):  # no pages to restore it with
             return False
-        return self.disk.write(record.key, _encode(record, state, pages))
+        return self.disk.write(record.key, _encode(record, state))
 
 
 # --- the file format ------------------------------------------------------------------------------
 
 
-def _encode(record: SnapshotRecord, state: StateSnapshot, pages: dict) -> bytes:
-    """A snapshot file: format line, sha256 of the payload, payload (header length, JSON
-    header naming every array's dtype, shape and offset, the arrays' bytes)."""
+def _encode(record: SnapshotRecord, state: StateSnapshot) -> bytes:
     arrays = {f"state{jax.tree_util.keystr(p)}": np.asarray(x)
               for p, x in jax.tree_util.tree_leaves_with_path(state)}
-    arrays.update({f"pages[{name!r}]": np.asarray(x) for name, x in pages.items()})
-    meta, blobs, offset = [], [], 0
-    for name, x in arrays.items():
-        data = np.ascontiguousarray(x).tobytes()
-        meta.append({"name": name, "dtype": str(x.dtype), "shape": list(x.shape),
-                     "offset": offset, "nbytes": len(data)})
-        blobs.append(data)
-        offset += len(data)
-    header = json.dumps({"key": record.key.hex(), "length": record.length,
-                         "chain": [d.hex() for d in record.chain], "arrays": meta}).encode()
-    payload = len(header).to_bytes(8, "little") + header + b"".join(blobs)
-    return _FORMAT + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    return pack(_FORMAT, {"key": record.key.hex(), "length": record.length,
+                          "chain": [d.hex() for d in record.chain]}, arrays)
 
 
 def _decode(key: bytes, raw: bytes, structure) -> LoadedSnapshot:
     """Parses a snapshot file; ValueError (or KeyError / TypeError) when it is not one of
     `key` with `structure`'s arrays."""
-    head = len(_FORMAT) + 65
-    if len(raw) < head + 8 or not raw.startswith(_FORMAT):
-        raise ValueError(f"not a snapshot file or truncated ({len(raw)} bytes)")
-    digest, payload = raw[len(_FORMAT):head - 1], raw[head:]
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise ValueError("checksum mismatch: truncated or corrupt")
-    n = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8:8 + n])
+    header, arrays = unpack(_FORMAT, raw)
     if header["key"] != key.hex():
         raise ValueError(f"holds key {header['key'][:12]}..., not its name's")
-    data = memoryview(payload)[8 + n:]
-    arrays = {}
-    for m in header["arrays"]:
-        dtype = np.dtype(jax.numpy.dtype(m["dtype"]))
-        chunk = data[m["offset"]:m["offset"] + m["nbytes"]]
-        arrays[m["name"]] = np.frombuffer(chunk, dtype).reshape(m["shape"]).copy()
     leaves = []
     for p, want in jax.tree_util.tree_leaves_with_path(structure):
         x = arrays.pop(f"state{jax.tree_util.keystr(p)}")
@@ -450,11 +425,10 @@ def _decode(key: bytes, raw: bytes, structure) -> LoadedSnapshot:
                              f"not {np.dtype(want.dtype)}{list(want.shape)}")
         leaves.append(x)
     state = jax.tree.unflatten(jax.tree.structure(structure), leaves)
-    pages = {k[len("pages['"):-len("']")]: v for k, v in arrays.items()}
     chain = tuple(bytes.fromhex(d) for d in header["chain"])
-    if not chain or chain[-1] != key or any(x.shape[1] != len(chain) for x in pages.values()):
-        raise ValueError("its chain does not end at its key or does not match its pages")
-    return LoadedSnapshot(SnapshotRecord(key, int(header["length"]), chain), state, "disk", pages)
+    if not chain or chain[-1] != key or arrays:
+        raise ValueError("its chain does not end at its key, or it holds other arrays")
+    return LoadedSnapshot(SnapshotRecord(key, int(header["length"]), chain), state, "disk")
 
 
 __all__ = ["DISK_BYTES", "TIERS", "IndexEntry", "LoadedSnapshot", "PrefixIndex",

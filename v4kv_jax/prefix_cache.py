@@ -2,16 +2,19 @@
 on which tier, and how a new request's hit is planned and entered.
 
 `PrefixCache` joins the host-side pieces of `v4kv_jax.prefix` (the page index, the snapshot
-tiers) to the device cache through the pool transfers (`pools.hold_pages`, `drop_pages`,
-`read_pages`, `load_pages`, `attach_prefix`, `snapshot_state`, `restore_state`). It never
-schedules: the Engine decides which request runs and calls it to
+tiers) and `v4kv_jax.page_tiers` (the host and disk tiers of full pages) to the device cache
+through the pool transfers (`pools.hold_pages`, `drop_pages`, `read_pages`, `load_pages`,
+`attach_prefix`, `snapshot_state`, `restore_state`). It never schedules: the Engine decides
+which request runs and calls it to
 
-  plan     find a request's hit (the longest listed chain of its prompt's full pages, or a
-           deeper disk snapshot that brings its pages) and how its State is rebuilt at the
-           hit boundary b (`RESTORES`), making room by LRU eviction of pages only the index
-           holds; None when the pool cannot hold the request now
-  enter    load a disk snapshot's pages, attach the hit's pages to the request's slot and
-           restore its State (or set the replay that rebuilds it)
+  plan     find a request's hit (the longest chain of its prompt's full pages listed on the
+           device or kept on the host or disk tier) and how its State is rebuilt at the hit
+           boundary b (`RESTORES`), making room by LRU eviction of pages only the index
+           holds (each moved to the host tier, then to disk, before it leaves the pool);
+           None when the pool cannot hold the request now
+  enter    promote the hit's pages from the host and disk tiers into fresh pages, attach
+           the hit's pages to the request's slot and restore its State (or set the replay
+           that rebuilds it)
   record   after a step: list the request's new full pages, snapshot its State at the
            boundaries the policy asks for (the last full page of every prompt, every
            `snapshot_every_pages`)
@@ -38,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import pools, prefix, programs
+from v4kv_jax import page_tiers, pools, prefix, programs
 from v4kv_jax.config import CacheConfig
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
@@ -73,17 +76,20 @@ class Entry(Protocol):
     replayed: int
     restored_by: str
     snapshot_tier: str | None
+    cached_from: dict[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """An admission: hit depth in pages, how the State is rebuilt (`RESTORES`), and the
-    snapshot used with its depth in pages (None: none)."""
+    """An admission: hit depth in pages, how the State is rebuilt (`RESTORES`), the
+    snapshot used with its depth in pages (None: none), and the hit's last pages that come
+    from the host and disk tiers (read already)."""
 
     depth: int
     restored_by: str
     loaded: prefix.LoadedSnapshot | None
     snapshot_depth: int | None
+    promoted: tuple[tuple[str, dict], ...] = ()  # (tier, contents) of the pages promoted
 
 
 class PrefixCache:
@@ -97,28 +103,40 @@ class PrefixCache:
       device_snapshots, host_snapshots, snapshot_dir, disk_snapshots, disk_bytes: the
         snapshot tiers (`prefix.SnapshotStore`; errors about the directory name
         `snapshot_dir`).
+      host_pages: the host tier's size in pages (`page_tiers.PageTiers`; its disk tier is
+        `snapshot_dir`, bounded by `disk_bytes` apart from the snapshot files).
 
     Attributes:
       index: the `prefix.PrefixIndex` of listed pages.
       snapshots: the `prefix.SnapshotStore`.
-      stats: pages_evicted, pages_loaded (from disk), snapshots_taken.
+      cold: the `page_tiers.PageTiers` (the host and disk tiers of pages).
+      stats: pages_evicted (pages that left the device), pages_from_host, pages_from_disk
+        (promoted), snapshots_taken.
     """
 
     def __init__(self, holder: CacheHolder, *, replay_pages: int,
                  snapshot_every_pages: int | None, device_snapshots: int, host_snapshots: int,
-                 snapshot_dir: str | os.PathLike | None, disk_snapshots: int | None,
-                 disk_bytes: int | None):
+                 host_pages: int, snapshot_dir: str | os.PathLike | None,
+                 disk_snapshots: int | None, disk_bytes: int | None):
         self._holder = holder
         self.geometry: CacheConfig = holder.cache.geometry
         self.replay_pages = replay_pages
         self.snapshot_every_pages = snapshot_every_pages
         self.index = prefix.PrefixIndex()
+        one = jax.eval_shape(lambda c: pools.read_pages(c, jnp.zeros((1,), jnp.int32)),
+                             holder.cache)
+        self._page_template = {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype)
+                               for k, v in one.items()}
         self.snapshots = prefix.SnapshotStore(
             jax.eval_shape(lambda c: pools.snapshot_state(c, 0), holder.cache),
             device_snapshots=device_snapshots, host_snapshots=host_snapshots,
             directory=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes,
-            page_contents=self._chain_contents, directory_name="snapshot_dir")
-        self.stats = dict.fromkeys(("pages_evicted", "pages_loaded", "snapshots_taken"), 0)
+            store_chain=self._store_chain, directory_name="snapshot_dir")
+        self.cold = page_tiers.PageTiers(
+            self._page_template, host_pages=host_pages, directory=snapshot_dir,
+            disk_bytes=disk_bytes, directory_name="snapshot_dir")
+        self.stats = dict.fromkeys(("pages_evicted", "pages_from_host", "pages_from_disk",
+                                    "snapshots_taken"), 0)
 
     @property
     def _cache(self) -> Cache:
@@ -141,55 +159,65 @@ class PrefixCache:
 
     # --- admission --------------------------------------------------------------------------------
 
-    def plan(self, digests: list[bytes], pages_needed: int, reserved: int, *,
-             disk: bool = True) -> Plan | None:
+    def plan(self, digests: list[bytes], pages_needed: int, reserved: int) -> Plan | None:
         """How a request whose prompt has `digests` is admitted: the hit and how its State is
-        rebuilt, with the pages it needs made free by eviction. `pages_needed`: the pages
-        the request holds at its full length; `reserved`: pages the running requests still
-        need. None when the pool cannot hold it now (nothing changed). `disk`: a disk
-        snapshot deeper than the index's chain may bring its pages."""
-        memory = len(self.index.match(digests))
-        snap_depth = None
-        for j in range(len(digests), 0, -1):
-            tier = self.snapshots.tier_of(digests[j - 1])
-            if tier is not None and (j <= memory or (disk and tier == "disk")):
-                snap_depth = j
-                break
-        depth, restored_by = memory, "none"
-        if snap_depth is not None and snap_depth >= memory:
-            depth, restored_by = snap_depth, "snapshot"
-        elif snap_depth is not None and (memory - snap_depth <= self.replay_pages
-                                         or memory < self.replay_pages):
-            restored_by = "snapshot+replay"
-        elif memory >= self.replay_pages:
-            snap_depth, restored_by = None, "replay" if memory else "none"
-        else:
-            snap_depth, depth, restored_by = None, 0, "recompute" if memory else "none"
-        loaded_pages = depth - memory
-        need = reserved + pages_needed - depth + loaded_pages
-        keep = frozenset(digests[:min(depth, memory)])
-        refcount = np.asarray(pools.refcounts(self._cache))
-        free = int(pools.free_pages(self._cache))
-        if free + self.index.evictable(refcount, keep) < need:
-            return self.plan(digests, pages_needed, reserved, disk=False) if loaded_pages \
-                else None
-        if free < need:
-            self._evict(need - free, keep)
-        if snap_depth is None:
-            return Plan(depth, restored_by, None, None)
-        loaded = self.snapshots.get(digests[snap_depth - 1])
-        if loaded is None:  # a file that could not be read or was bad: plan without it
-            return self.plan(digests, pages_needed, reserved, disk=disk)
-        return Plan(depth, restored_by, loaded, snap_depth)
+        rebuilt, with the pages it needs made free by eviction and the hit's pages that are
+        on the host or disk tier read for promotion. `pages_needed`: the pages the request
+        holds at its full length; `reserved`: pages the running requests still need. None
+        when the pool cannot hold it now (nothing but evictions changed)."""
+        promote = True
+        while True:  # each pass either plans or forgets a page or snapshot that failed
+            device = len(self.index.match(digests))
+            listed = device + (self.cold.available(digests[device:]) if promote else 0)
+            snap_depth = None
+            for j in range(listed, 0, -1):
+                if self.snapshots.tier_of(digests[j - 1]) is not None:
+                    snap_depth = j
+                    break
+            depth, restored_by = listed, "none"
+            if snap_depth == listed:
+                restored_by = "snapshot"
+            elif snap_depth is not None and (listed - snap_depth <= self.replay_pages
+                                             or listed < self.replay_pages):
+                restored_by = "snapshot+replay"
+            elif listed >= self.replay_pages:
+                snap_depth, restored_by = None, "replay" if listed else "none"
+            else:
+                snap_depth, depth, restored_by = None, 0, "recompute" if listed else "none"
+            shared = min(depth, device)
+            need = reserved + pages_needed - shared
+            keep = frozenset(digests[:shared])
+            refcount = np.asarray(pools.refcounts(self._cache))
+            free = int(pools.free_pages(self._cache))
+            if free + self.index.evictable(refcount, keep) < need:
+                if depth > device and promote:
+                    promote = False
+                    continue
+                return None
+            promoted = []  # read before evicting: demotions may push them down a tier
+            for d in digests[shared:depth]:
+                tier, contents = self.cold.tier_of(d), self.cold.get(d)
+                if contents is None:
+                    break
+                promoted.append((tier, contents))
+            if len(promoted) < depth - shared:
+                continue  # a page file that could not be read or was bad: forgotten
+            if free < need:
+                self._evict(need - free, keep)
+            loaded = None
+            if snap_depth is not None:
+                loaded = self.snapshots.get(digests[snap_depth - 1])
+                if loaded is None:
+                    continue  # the same for a snapshot file
+            return Plan(depth, restored_by, loaded, snap_depth, tuple(promoted))
 
     def enter(self, req: Entry, digests: list[bytes], plan: Plan) -> None:
-        """Attaches the hit's pages to the request's slot (loading a disk snapshot's pages
-        first) and rebuilds its State, or sets the replay that does."""
+        """Promotes the hit's pages from the host and disk tiers into fresh pages, attaches
+        the hit's pages to the request's slot and rebuilds its State, or sets the replay that
+        does."""
         P = self.geometry.page_tokens
-        if plan.loaded is not None and plan.loaded.pages is not None:
-            memory = len(self.index.match(digests[:plan.depth]))
-            if memory < plan.depth:
-                self._load(digests, memory, plan.loaded)
+        if plan.promoted:
+            self._promote(digests[:plan.depth], plan.promoted)
         pages = self.index.match(digests[:plan.depth])
         if plan.depth:
             self._cache = _attach(self._cache, jnp.int32(req.slot),
@@ -199,6 +227,9 @@ class PrefixCache:
         req.length = req.cached = b
         req.digests = list(digests[:plan.depth])
         req.restored_by = plan.restored_by
+        tiers = [tier for tier, _ in plan.promoted]
+        req.cached_from = {t: P * tiers.count(t) for t in page_tiers.TIERS}
+        req.cached_from["device"] = b - P * len(tiers)
         if plan.loaded is not None:
             state = plan.loaded.state
             if plan.snapshot_depth != plan.depth:
@@ -210,20 +241,23 @@ class PrefixCache:
             req.replay_at, req.replay_end = b - self.replay_pages * P, b
         req.replayed = req.replay_end - req.replay_at
 
-    def _load(self, digests: list[bytes], memory: int, loaded: prefix.LoadedSnapshot) -> None:
-        """Writes a disk snapshot's pages past the index's chain into fresh pages, listed."""
-        depth = len(loaded.record.chain)
+    def _promote(self, digests: list[bytes], promoted: tuple) -> None:
+        """Writes the promoted pages (the last len(promoted) of `digests`) into fresh pages
+        and lists them."""
         M = self.geometry.max_pages_per_seq
+        first = len(digests) - len(promoted)
         contents = {}
-        for name, x in loaded.pages.items():
-            padded = np.zeros((x.shape[0], M) + x.shape[2:], x.dtype)
-            padded[:, :depth - memory] = x[:, memory:depth]
+        for name, want in self._page_template.items():
+            padded = np.zeros((want.shape[0], M) + want.shape[1:], want.dtype)
+            for j, (_, page) in enumerate(promoted):
+                padded[:, j] = page[name]
             contents[name] = jnp.asarray(padded)
-        self._cache, ids = _load_pages(self._cache, contents, jnp.int32(depth - memory))
+        self._cache, ids = _load_pages(self._cache, contents, jnp.int32(len(promoted)))
         ids = np.asarray(ids)
-        for j in range(memory, depth):
-            self.index.add(digests[j], digests[j - 1] if j else None, int(ids[j - memory]))
-        self.stats["pages_loaded"] += depth - memory
+        for j in range(first, len(digests)):
+            self.index.add(digests[j], digests[j - 1] if j else None, int(ids[j - first]))
+        for tier, _ in promoted:
+            self.stats[f"pages_from_{tier}"] += 1
 
     # --- after a step -----------------------------------------------------------------------------
 
@@ -273,34 +307,81 @@ class PrefixCache:
             self.stats["snapshots_taken"] += 1
         self.snapshots.put(record, _snapshot(self._cache, jnp.int32(req.slot)))
 
-    def _chain_contents(self, record: prefix.SnapshotRecord) -> dict | None:
-        """The Classical contents of a snapshot's chain pages, while the index lists them."""
-        if not all(d in self.index for d in record.chain):
-            return None
-        pages = [self.index.page(d) for d in record.chain]
-        contents = _read_pages(self._cache, self._padded(pages, self.geometry.max_pages_per_seq))
-        return {k: np.asarray(v)[:, :len(record.chain)] for k, v in contents.items()}
+    def _device_contents(self, digests: Sequence[bytes]) -> list[dict]:
+        """The contents (numpy, per page) of listed pages, read from the pool."""
+        M = self.geometry.max_pages_per_seq
+        out = []
+        for at in range(0, len(digests), M):
+            part = digests[at:at + M]
+            read = _read_pages(self._cache, self._padded([self.index.page(d) for d in part], M))
+            read = {k: np.asarray(v) for k, v in read.items()}
+            out += [{k: v[:, j] for k, v in read.items()} for j in range(len(part))]
+        return out
+
+    def _store_chain(self, record: prefix.SnapshotRecord) -> bool:
+        """Puts every page of a snapshot's chain on disk (the files missing there, from the
+        pool or the host tier); False when one is in no tier or cannot be written."""
+        disk = self.cold.disk
+        if disk is None:
+            return False
+        missing = [d for d in record.chain if d not in disk]
+        on_device = [d for d in missing if d in self.index]
+        contents = dict(zip(on_device, self._device_contents(on_device), strict=True))
+        for d in missing:
+            page = contents[d] if d in contents else self.cold.get(d)
+            if page is None or not self.cold.store(d, page):
+                return False
+        for d in record.chain:
+            self.cold.touch(d)
+        return all(d in disk for d in record.chain)  # none trimmed by the later ones
 
     # --- eviction, clearing, flushing -------------------------------------------------------------
 
     def _evict(self, n_pages: int, keep: frozenset) -> None:
+        """Frees pages by dropping the index's least recently used links, each page moved to
+        the host or disk tier first (demotion) unless a tier holds it already."""
         refcount = np.asarray(pools.refcounts(self._cache))
         dropped = self.index.evict(n_pages, refcount, keep)
-        if dropped:
-            self.stats["pages_evicted"] += sum(1 for p in dropped if refcount[p] == 1)
-            self._cache = _drop(self._cache, self._padded(dropped))
+        if not dropped:
+            return
+        self.stats["pages_evicted"] += sum(1 for _, p in dropped if refcount[p] == 1)
+        if self.cold.keeps_pages:
+            for d, _ in dropped:
+                self.cold.touch(d)
+            new = [(d, p) for d, p in dropped if self.cold.tier_of(d) is None]
+            M = self.geometry.max_pages_per_seq
+            for at in range(0, len(new), M):
+                part = new[at:at + M]
+                read = _read_pages(self._cache, self._padded([p for _, p in part], M))
+                read = {k: np.asarray(v) for k, v in read.items()}
+                for j, (d, _) in enumerate(part):
+                    self.cold.put(d, {k: v[:, j] for k, v in read.items()})
+        self._cache = _drop(self._cache, self._padded([p for _, p in dropped]))
 
     def clear(self, *, disk: bool = False) -> None:
-        """Drops every listed page (the index's references) and the device and host
-        snapshots (with `disk`, the snapshot files too). Pages live requests hold stay."""
+        """Drops every listed page (the index's references), the host tier's pages and the
+        device and host snapshots (with `disk`, the page and snapshot files too). Pages live
+        requests hold stay."""
         pages = self.index.clear()
         if pages:
             self._cache = _drop(self._cache, self._padded(pages))
+        self.cold.clear(disk=disk)
         self.snapshots.clear(disk=disk)
 
     def flush(self) -> int:
-        """Writes every device and host snapshot to the disk tier (`SnapshotStore.flush`)."""
-        return self.snapshots.flush()
+        """Writes every device and host snapshot (`SnapshotStore.flush`) and every listed
+        page of the pool and the host tier that is not on disk yet to the disk tier; returns
+        how many files were written."""
+        before = self.cold.stats["pages_to_disk"]
+        written = self.snapshots.flush()
+        disk = self.cold.disk
+        if disk is None or disk.read_only is not None:
+            return written
+        listed = [d for d in self.index.pages() if d not in disk]
+        for d, page in zip(listed, self._device_contents(listed), strict=True):
+            self.cold.store(d, page)
+        self.cold.flush()
+        return written + self.cold.stats["pages_to_disk"] - before
 
     def reserved_pages(self, running: Sequence) -> int:
         """Pages the running requests (each with `total_pages` and `length`) still need to

@@ -1,8 +1,10 @@
-"""The disk tier of the prefix cache: a directory of snapshot files that no filesystem fault can
-turn into a wrong answer or a failed step.
+"""The disk tier of the prefix cache: a directory of snapshot and page files that no filesystem
+fault can turn into a wrong answer or a failed step.
 
-`SnapshotDirectory` stores opaque payloads by key (`<key hex>.v4snap`), an LRU bounded by a
-file count and by bytes. Every filesystem call it makes (open, write, fsync, close, rename,
+`SnapshotDirectory` stores opaque payloads by key (`<key hex><suffix>`: `.v4snap` for
+snapshots, `.v4page` for pages, one instance each over the same directory), an LRU bounded by
+a file count and by bytes; `pack` / `unpack` give the checksummed file of named arrays both
+kinds use. Every filesystem call it makes (open, write, fsync, close, rename,
 remove, utime, stat, listing) is caught where it happens: the file is not stored (or not
 removed, or not read), `warnings.warn` names the file and the error, and the caller carries on
 as if the tier had no such file. So a full disk, a directory that is briefly not writable, a
@@ -26,10 +28,15 @@ from __future__ import annotations
 
 import collections
 import errno
+import hashlib
+import json
 import os
 import secrets
 import time
 import warnings
+
+import jax.numpy as jnp
+import numpy as np
 
 from v4kv_jax import checks
 
@@ -83,6 +90,48 @@ def prepare_directory(name: str, directory) -> tuple[str, str | None]:
     return path, None
 
 
+# --- the file format ------------------------------------------------------------------------------
+
+
+def pack(file_format: bytes, header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    """A file of named arrays: `file_format` (a line), sha256 of the payload, payload (header
+    length, the JSON `header` with every array's name, dtype, shape and offset, their bytes)."""
+    meta, blobs, offset = [], [], 0
+    for name, x in arrays.items():
+        data = np.ascontiguousarray(x).tobytes()
+        meta.append({"name": name, "dtype": str(x.dtype), "shape": list(x.shape),
+                     "offset": offset, "nbytes": len(data)})
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps({**header, "arrays": meta}).encode()
+    payload = len(head).to_bytes(8, "little") + head + b"".join(blobs)
+    return file_format + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def unpack(file_format: bytes, raw: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """(header, arrays) of a `pack`ed file; ValueError (or KeyError / TypeError) when it is
+    truncated, corrupt or of another format."""
+    start = len(file_format) + 65
+    if len(raw) < start + 8 or not raw.startswith(file_format):
+        raise ValueError(f"not a {file_format.decode().strip()} file or truncated "
+                         f"({len(raw)} bytes)")
+    digest, payload = raw[len(file_format):start - 1], raw[start:]
+    if hashlib.sha256(payload).hexdigest().encode() != digest:
+        raise ValueError("checksum mismatch: truncated or corrupt")
+    n = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8:8 + n])
+    data = memoryview(payload)[8 + n:]
+    arrays = {}
+    for m in header.pop("arrays"):
+        dtype = np.dtype(jnp.dtype(m["dtype"]))
+        chunk = data[m["offset"]:m["offset"] + m["nbytes"]]
+        arrays[m["name"]] = np.frombuffer(chunk, dtype).reshape(m["shape"]).copy()
+    return header, arrays
+
+
+# --- the directory --------------------------------------------------------------------------------
+
+
 class SnapshotDirectory:
     """Payloads by key in one directory, an LRU bounded by `max_files` and `max_bytes`.
 
@@ -101,7 +150,9 @@ class SnapshotDirectory:
     """
 
     def __init__(self, directory, *, max_files: int | None, max_bytes: int | None,
-                 name: str = "directory"):
+                 name: str = "directory", suffix: str = SUFFIX, noun: str = "snapshot",
+                 fallback: str = "the State is rebuilt another way", announce: bool = True):
+        self.suffix, self.noun, self.fallback = suffix, noun, fallback
         self.max_files, self.max_bytes = (
             None if value is None else checks.integer(arg, value, lo=0)
             for arg, value in (("max_files", max_files), ("max_bytes", max_bytes)))
@@ -110,9 +161,9 @@ class SnapshotDirectory:
         self.evicted = 0
         self._files: collections.OrderedDict[bytes, int] = collections.OrderedDict()
         self._bytes = 0
-        if self.read_only is not None:
-            _warn(f"snapshot directory {self.path} is read-only ({self.read_only}): its "
-                  "snapshots are read and hit, none is written or deleted")
+        if self.read_only is not None and announce:
+            _warn(f"{noun} directory {self.path} is read-only ({self.read_only}): its "
+                  f"{noun} files are read and hit, none is written or deleted")
         found, stale = [], []
         try:
             with os.scandir(self.path) as listing:
@@ -131,8 +182,8 @@ class SnapshotDirectory:
                         continue  # gone since the listing: not a file of this tier
                     found.append((info.st_mtime, key, info.st_size))
         except OSError as e:
-            self._fault(f"snapshot directory {self.path} cannot be listed ({_error(e)}); "
-                        "no snapshot file of earlier runs is used")
+            self._fault(f"{noun} directory {self.path} cannot be listed ({_error(e)}); "
+                        f"no {noun} file of earlier runs is used")
         for _, key, size in sorted(found):
             self._files[key] = size
             self._bytes += size
@@ -154,12 +205,11 @@ class SnapshotDirectory:
                 self._fault(f"temporary file {entry.path} left by an earlier writer not "
                             f"deleted ({_error(e)})")
 
-    @staticmethod
-    def _key_of(name: str) -> bytes | None:
-        if not name.endswith(SUFFIX) or name.startswith("."):
+    def _key_of(self, name: str) -> bytes | None:
+        if not name.endswith(self.suffix) or name.startswith("."):
             return None
         try:
-            return bytes.fromhex(name[:-len(SUFFIX)])
+            return bytes.fromhex(name[:-len(self.suffix)])
         except ValueError:
             return None
 
@@ -170,7 +220,7 @@ class SnapshotDirectory:
     # --- queries ----------------------------------------------------------------------------------
 
     def file(self, key: bytes) -> str:
-        return os.path.join(self.path, key.hex() + SUFFIX)
+        return os.path.join(self.path, key.hex() + self.suffix)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._files
@@ -210,15 +260,15 @@ class SnapshotDirectory:
                 os.close(fd)
         except OSError as e:  # not deleted: the fault may be the disk's, not the file's
             self._bytes -= self._files.pop(key, 0)
-            self._fault(f"snapshot file {path} could not be read ({_error(e)}); this engine "
-                        "no longer uses it; the State is rebuilt another way")
+            self._fault(f"{self.noun} file {path} could not be read ({_error(e)}); this "
+                        f"engine no longer uses it; {self.fallback}")
             return None
         self._files.move_to_end(key)
         if self.read_only is None:
             try:
                 os.utime(path)
             except OSError as e:  # the LRU order of a later process is a little off
-                self._fault(f"snapshot file {path}: its use time was not recorded "
+                self._fault(f"{self.noun} file {path}: its use time was not recorded "
                             f"({_error(e)})")
         return b"".join(chunks)
 
@@ -227,8 +277,8 @@ class SnapshotDirectory:
         directory is writable; warns naming it."""
         kept = self._remove(key)
         action = "deleted" if kept is None else f"not deleted ({kept}); never read again here"
-        _warn(f"snapshot file {self.file(key)} is unusable ({reason}); {action}; the State is "
-              "rebuilt another way")
+        _warn(f"{self.noun} file {self.file(key)} is unusable ({reason}); {action}; "
+              f"{self.fallback}")
 
     # --- writes -----------------------------------------------------------------------------------
 
@@ -240,7 +290,7 @@ class SnapshotDirectory:
             return False
         size = len(payload)
         if self.max_bytes is not None and size > self.max_bytes:
-            _warn(f"snapshot file {path} not written: {size:,} B is more than max_bytes="
+            _warn(f"{self.noun} file {path} not written: {size:,} B is more than max_bytes="
                   f"{self.max_bytes:,}")
             return False
         tmp = os.path.join(self.path, f".{key.hex()[:16]}.{secrets.token_hex(4)}{_TMP}")
@@ -255,8 +305,8 @@ class SnapshotDirectory:
             os.close(closing)
             os.replace(tmp, path)
         except OSError as e:
-            self._fault(f"snapshot file {path} not written ({_error(e)}); the snapshot stays "
-                        "off disk, no request is affected")
+            self._fault(f"{self.noun} file {path} not written ({_error(e)}); the {self.noun} "
+                        "stays off disk, no request is affected")
             if fd is not None:
                 try:
                     os.close(fd)
@@ -283,7 +333,7 @@ class SnapshotDirectory:
         """Deletes a file (warned, and forgotten all the same, when it cannot be)."""
         reason = self._remove(key)
         if reason is not None:
-            _warn(f"snapshot file {self.file(key)} not deleted ({reason}); this engine no "
+            _warn(f"{self.noun} file {self.file(key)} not deleted ({reason}); this engine no "
                   "longer lists it")
 
     def clear(self) -> None:
@@ -313,4 +363,4 @@ class SnapshotDirectory:
             self.evicted += 1
 
 
-__all__ = ["SUFFIX", "SnapshotDirectory", "prepare_directory"]
+__all__ = ["SUFFIX", "SnapshotDirectory", "pack", "prepare_directory", "unpack"]

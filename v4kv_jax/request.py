@@ -28,6 +28,8 @@ class RequestOutput:
         "snapshot", "snapshot+replay", "replay" (R tokens from the empty State) or
         "recompute" (a hit below R with no snapshot: recomputed instead).
       snapshot_tier: "device", "host" or "disk" when a snapshot was used, else None.
+      cached_from: tier -> the cached tokens whose pages were on that tier at admission
+        ("device": listed in the pool; "host", "disk": promoted).
       logits: f32[len(tokens), V], the logits each token was drawn from (with the engine's
         `keep_logits`), else None.
     """
@@ -40,6 +42,7 @@ class RequestOutput:
     replayed_tokens: int
     restored_by: str
     snapshot_tier: str | None
+    cached_from: dict[str, int] = dataclasses.field(default_factory=dict)
     logits: np.ndarray | None = None
 
 
@@ -85,6 +88,7 @@ class Request:
     replayed: int = 0
     restored_by: str = "none"
     snapshot_tier: str | None = None
+    cached_from: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def phase(self) -> str:
         if self.slot is None:
@@ -107,11 +111,15 @@ class EngineReport:
       pages_cached_only: listed pages no live request holds (evictable).
       snapshots: tier -> (count, bytes); disk: the files `snapshot_dir` holds (this
         engine's and any other's it found there).
+      cold_pages: tier -> (pages, bytes) of full pages off the device: "host" and "disk"
+        (the page files in `snapshot_dir`).
       snapshot_dir: the disk tier as one line (path, files, bytes, bound or read-only,
         filesystem errors caught), or None without one.
       stats: counters: requests, hits, prompt_tokens, cached_tokens, replayed_tokens,
-        recomputed_tokens (prompt tokens computed), pages_evicted, pages_loaded (from disk),
-        snapshots_taken, snapshots_dropped, disk_errors (filesystem errors caught).
+        recomputed_tokens (prompt tokens computed), pages_evicted (left the device),
+        pages_to_host, pages_to_disk (page files written), pages_dropped (off every tier),
+        pages_from_host, pages_from_disk (promoted), snapshots_taken, snapshots_dropped,
+        disk_errors (filesystem errors caught).
     """
 
     cache: pools.MemoryReport
@@ -122,6 +130,7 @@ class EngineReport:
     snapshots: dict[str, tuple[int, int]]
     stats: dict[str, int]
     snapshot_dir: str | None = None
+    cold_pages: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def cached_fraction(self) -> float:
@@ -138,6 +147,10 @@ class EngineReport:
             f"only by the index, {self.pages_shared} shared by live requests, "
             f"{self.pages_in_requests} in live requests",
             f"Snapshots: {tiers}",
+            "Cold pages: " + ", ".join(f"{t} {n} ({b:,} B)" for t, (n, b)
+                                       in self.cold_pages.items())
+            + f"; {s.get('pages_from_host', 0)} promoted from host, "
+            f"{s.get('pages_from_disk', 0)} from disk",
             f"Prompt tokens {s['prompt_tokens']:,}: cached {s['cached_tokens']:,} "
             f"({100 * self.cached_fraction:.1f} %), replayed {s['replayed_tokens']:,}, "
             f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
