@@ -6,6 +6,8 @@ queries at a time) and in decode, on the reference and on the kernels."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,3 +219,49 @@ def test_hot_rows_must_hold_a_whole_top_k():
         geometry(8.0)
     with pytest.raises(ValueError, match=r"hot_rows: expected an integer in \[0, inf\]; got -1"):
         geometry(-1)
+
+
+@contextlib.contextmanager
+def lowerings(name: str):
+    """The programs jax lowers while inside, named `name` (one per executable it makes, from
+    XLA or the persistent cache), counted into the list it yields."""
+    made = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and name in str(
+                kwargs.get("fun_name")):
+            made.append(kwargs["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield made
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+@pytest.mark.parametrize("c4_tier", ["host", "device"])
+def test_one_executable_serves_every_step_in_either_tier(c4_tier):
+    # A model and geometry of this test only: its first step compiles here.
+    model = v4.tiny(compress_ratios=(4,))
+    cache = v4.init_cache(model, v4.CacheConfig(num_pages=2, max_slots=1, max_pages_per_seq=2,
+                                                c4_tier=c4_tier))
+    # Committed throughout with the C4 entries on the host (as the step returns it), else
+    # not at all (as the step returns it then).
+    assert {x.committed for x in jax.tree.leaves(cache)} == {c4_tier == "host"}
+    cache = v4.reset_slot(cache, 0)
+    # Zero vectors and weights: nothing to draw or compile but the step.
+    vectors = v4.TokenVectors(
+        window=np.zeros((model.num_layers, 1, 1, model.head_dim), np.float32),
+        **{spec.name: v4.CompressorInput(*np.zeros(
+            (2, len(model.layers_of(spec.kind)), 1, 1, spec.in_width), np.float32))
+           for spec in cache.specs})
+    weights = v4.CompressorWeights.init(model)
+    compiled, traces = [], step._append_all_jit.traces
+    for _ in range(3):
+        with lowerings("_append_all") as made:
+            cache = step.decode_step(cache, vectors, weights)
+        compiled.append(len(made))
+    assert compiled == [1, 0, 0]
+    assert step._append_all_jit.traces == traces + 1
+    np.testing.assert_array_equal(pools.lengths(cache), [3])
+    assert {x.committed for x in jax.tree.leaves(cache)} == {c4_tier == "host"}

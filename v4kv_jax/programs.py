@@ -12,6 +12,9 @@ which owns:
              hashable, one compiled program per value
   counting   `Program.traces`: how often the body was traced (= programs compiled), which
              the tests read to hold "one compilation serves every length and step"
+  placement  a donated argument holding any committed array enters committed throughout
+             (`committed_together`): the program returns it so, and call 2 would otherwise
+             compile the program again from call 1's trace (c4_tier="host")
 
 Later, the placement of a program's arguments over a device mesh belongs here too.
 
@@ -31,6 +34,7 @@ The library's programs, by name (`PROGRAMS`; the Generator makes one per instanc
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import jax
@@ -52,8 +56,13 @@ class Program:
 
         self._jitted = jax.jit(traced, donate_argnames=self.donate,
                                static_argnames=self.static)
+        self._donated_at = frozenset(i for i, name in enumerate(inspect.signature(fn).parameters)
+                                     if name in self.donate)
 
     def __call__(self, *args, **kwargs):
+        args = [committed_together(x) if i in self._donated_at else x
+                for i, x in enumerate(args)]
+        kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
         return self._jitted(*args, **kwargs)
 
     @property
@@ -64,6 +73,27 @@ class Program:
     def __repr__(self) -> str:
         return (f"Program({self.name!r}, donate={self.donate}, static={self.static}, "
                 f"traces={self.traces})")
+
+
+def committed_together(tree):
+    """`tree` with its uncommitted arrays committed where they are (same buffers, no copy)
+    when any of its arrays is committed; else `tree` as it is.
+
+    jit compiles one program per placement of its arguments: an uncommitted single-device
+    array is placed nowhere in particular, a committed one where it is. A program with a
+    committed argument, or one that moves data between memory kinds, returns every array
+    committed, so a cache holding committed arrays (c4_tier="host": its C4 entries in host
+    memory) and uncommitted ones would compile its first call and its second apart, from
+    one trace. Committed throughout (`init_cache` with c4_tier="host", every donated
+    argument holding a committed array) or not at all (the device tier, whose programs
+    return it so), a cache keeps one placement across calls. Tracers and non-arrays pass.
+    """
+    committed = [getattr(x, "committed", None) for x in jax.tree.leaves(tree)]
+    if True not in committed or False not in committed:
+        return tree
+    return jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding) if getattr(x, "committed", True) is False
+        else x, tree)
 
 
 PROGRAMS: dict[str, Program] = {}
@@ -88,4 +118,4 @@ def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequ
     return made
 
 
-__all__ = ["PROGRAMS", "Program", "program"]
+__all__ = ["PROGRAMS", "Program", "committed_together", "program"]

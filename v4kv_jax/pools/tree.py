@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import paging, storage
+from v4kv_jax import paging, programs, storage
 from v4kv_jax.config import AttentionConfig, CacheConfig
 from v4kv_jax.layout import CompressorSpec, compressor_specs
 
@@ -323,7 +323,8 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
                 gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
             )
     window = storage.codec(model, geometry, "window")
-    return Cache(
+    # Committed throughout if the C4 entries are on the host, as every program returns it.
+    return programs.committed_together(Cache(
         classical=ClassicalPool(
             csa=CSAEntries(c4=stored["csa"], index_keys=stored["csa_index"]),
             hca=HCAEntries(c128=stored["hca"])),
@@ -339,7 +340,7 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
         ),
         attn_config=model,
         geometry=geometry,
-    )
+    ))
 
 
 __all__ = ["CSAEntries", "CSATails", "Cache", "ClassicalPool", "HCAEntries", "HotSet",

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import pools
+from v4kv_jax import pools, programs
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
 from v4kv_jax.layout import compressor_specs
 from v4kv_jax.pools import Cache, SlotStatus, init_cache
@@ -208,11 +208,12 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
     all_lengths[: len(lengths)] = lengths
     cache = pools.with_slots(cache, lengths=jnp.asarray(all_lengths),
                              status=jnp.asarray(status))
-    return pools.with_page_state(cache, pools.page_state(cache).replace(
+    cache = pools.with_page_state(cache, pools.page_state(cache).replace(
         page_table=jnp.asarray(table),
         free_stack=jnp.asarray(np.concatenate([free, np.zeros(used, np.int32)])),
         num_free=jnp.asarray(geometry.num_pages - used, jnp.int32),
         refcount=jnp.asarray(refcount)))
+    return programs.committed_together(cache)  # one placement, as init_cache gives
 
 
 def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
