@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +122,51 @@ def test_a_group_reuses_held_rows_and_evicts_the_least_recently_used():
     np.testing.assert_array_equal(state.held, [[5, 9, 7, 8]])
     np.testing.assert_array_equal(state.used, [[14, 14, 14, 12]])
     np.testing.assert_array_equal(state.rows[0, :3, 0], [0, 100, 2])  # entries 4, 8, 6
+
+
+def _assign_by_hand(picks, clock, held, used):
+    """The rule `hot._assign` keeps, in plain Python: a pick of a held entry reads its row;
+    the distinct missing entries, smallest id first, take the empty rows (lowest first),
+    then the least recently used rows (lowest first on a tie) that no hit reads."""
+    H = len(held)
+    row_of = {int(h) - 1: r for r, h in enumerate(held) if h}
+    kept = {row_of[p] for p in picks if p in row_of}
+    free = sorted((r for r in range(H) if r not in kept),
+                  key=lambda r: (-1 if held[r] == 0 else used[r], r))
+    missing = sorted({int(p) for p in picks if p >= 0 and p not in row_of})
+    dest_of = dict(zip(missing, free, strict=False))
+    out = [row_of.get(int(p), dest_of.get(int(p), -1)) if p >= 0 else -1 for p in picks]
+    held, used = list(held), list(used)
+    for e, r in dest_of.items():
+        held[r] = e + 1
+    for r in set(out) - {-1}:
+        used[r] = clock
+    return out, sorted(dest_of), held, used
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.data())
+def test_assign_keeps_hits_and_fills_free_then_least_recent_rows(draw):
+    H = draw.draw(st.sampled_from([4, 8]))
+    held_ids = draw.draw(st.lists(st.integers(0, 11), max_size=H, unique=True))
+    rows = draw.draw(st.permutations(range(H)))[:len(held_ids)]
+    held, used = np.zeros(H, np.int32), np.zeros(H, np.int32)
+    held[rows] = np.asarray(held_ids, np.int32) + 1
+    used[rows] = draw.draw(st.lists(st.integers(1, 5), min_size=len(rows),
+                                    max_size=len(rows)))
+    # A group of queries: at most H distinct picks, repeats and -1 padding among them.
+    distinct = draw.draw(st.lists(st.integers(0, 11), min_size=1, max_size=H, unique=True))
+    picks = draw.draw(st.lists(st.sampled_from(distinct + [-1]), min_size=1, max_size=2 * H))
+    picks = np.asarray(picks + [-1] * (2 * H - len(picks)), np.int32)  # one shape per H
+    out, fetch, dest, new_held, new_used = jax.jit(hot._assign)(picks, jnp.int32(9), held, used)
+    want_out, want_fetch, want_held, want_used = _assign_by_hand(picks, 9, held, used)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(np.asarray(fetch)[np.asarray(fetch) >= 0], want_fetch)
+    np.testing.assert_array_equal(new_held, want_held)
+    np.testing.assert_array_equal(new_used, want_used)
+    fetched = np.asarray(fetch) >= 0
+    np.testing.assert_array_equal(np.asarray(new_held)[np.asarray(dest)[fetched]],
+                                  np.asarray(fetch)[fetched] + 1)
 
 
 def decode_once(cache, data, options, poison=False):

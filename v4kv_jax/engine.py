@@ -216,18 +216,18 @@ class Engine(ModelCache):
     # --- the disk tier and shutdown ---------------------------------------------------------------
 
     def flush(self) -> int:
-        """Writes every device and host snapshot (with its chain's pages) to `snapshot_dir`,
-        so that an engine started later over the directory hits them; they also stay on their
-        tiers. Returns how many files were written. A write that fails is warned about and
-        skipped (see `step`); without a `snapshot_dir`, or over a read-only one, nothing is
-        written (0)."""
+        """Writes every device and host snapshot, and every listed or host-tier page, that is
+        not on disk yet to `snapshot_dir`, so that an engine started later over the directory
+        hits them; they also stay on their tiers. Returns how many files were written. A
+        write that fails is warned about and skipped (see `step`); without a `snapshot_dir`,
+        or over a read-only one, nothing is written (0)."""
         self._check_usable()
         return self.prefix_cache.flush()
 
     def close(self) -> list[RequestOutput]:
-        """Flushes the snapshots to disk and ends the engine: later calls raise. Requests
-        still in flight are aborted (a warning names them) and returned with the outputs no
-        `step()` returned yet."""
+        """Flushes the snapshots and pages to disk (`flush`) and ends the engine: later calls
+        raise. Requests still in flight are aborted (a warning names them) and returned with
+        the outputs no `step()` returned yet."""
         if self._closed:
             return []
         out = []
