@@ -40,10 +40,12 @@ from v4kv_jax.testing import synthetic
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def configurations(hot_rows: list[int]):
+def configurations(hot_rows: list[int], device_hot: bool):
     """(name, CacheConfig fields) per configuration measured."""
     yield "device", dict(hot_rows=0, c4_tier="device")
     for h in hot_rows:
+        if device_hot:
+            yield f"dev+hot {h}", dict(hot_rows=h, c4_tier="device")
         yield f"host+hot {h}", dict(hot_rows=h, c4_tier="host")
 
 
@@ -59,9 +61,9 @@ def run(args) -> dict:
         queries = [data.stacked_queries(np.full((args.batch, 1), i))
                    for i in range(args.query_sets)]
         slots, ones = np.arange(args.batch), np.ones(args.batch, np.int32)
-        for name, fields in configurations(hot_rows):
+        for name, fields in configurations(hot_rows, args.device_hot):
             geometry = cfg.CacheConfig.with_formats(
-                FORMAT_SETS[args.formats], num_pages=args.batch * pages + 1,
+                args.formats, num_pages=args.batch * pages + 1,
                 max_slots=args.batch, max_pages_per_seq=pages, **fields)
             cache = synthetic.random_cache(model, geometry, [context] * args.batch,
                                            seed=context)
@@ -139,6 +141,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--query-sets", type=int, default=4, help="query sets the steps cycle")
     p.add_argument("--formats", default="release", choices=tuple(FORMAT_SETS))
+    p.add_argument("--device-hot", action="store_true",
+                   help="also hot sets over C4 entries on the device (the bookkeeping alone)")
     p.add_argument("--implementation", default="auto", choices=cfg.IMPLEMENTATIONS)
     add_model_arguments(p)
     p.add_argument("--out", default=os.path.join(HERE, "results", "tiers.json"))

@@ -37,35 +37,28 @@ def group_size(model: AttentionConfig, geometry: CacheConfig) -> int:
 def _assign(picks: jax.Array, clock: jax.Array, held: jax.Array, used: jax.Array):
     """One row: picks i32[N] (-1: none; at most H distinct) -> (hot row of each pick
     i32[N] (-1: none), entries to fetch i32[N] (-1: none), their hot rows i32[N] (H: none),
-    new held, new used).
-
-    One sort of the held entries and the picks by entry id (a held row before the picks of
-    its id) finds the hits: a pick hits when the first of its id's run is a held row. The
-    first pick of each other id is a miss; the distinct misses, in id order, take the free
-    rows, then the least recently used ones."""
+    new held, new used)."""
     H, N = held.shape[0], picks.shape[0]
     valid = picks >= 0
-    ids = jnp.concatenate([jnp.where(held > 0, held - 1, _NONE), jnp.where(valid, picks, _NONE)])
-    is_pick = jnp.concatenate([jnp.zeros((H,), jnp.int32), jnp.ones((N,), jnp.int32)])
-    index = jnp.concatenate([jnp.arange(H, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32)])
-    ids, is_pick, index = jax.lax.sort((ids, is_pick, index), num_keys=2)
-    position = jnp.arange(H + N, dtype=jnp.int32)
-    head = ids != jnp.concatenate([jnp.full((1,), -1, jnp.int32), ids[:-1]])
-    start = jax.lax.cummax(jnp.where(head, position, 0))  # the first of each id's run
-    real = ids != _NONE
-    first_miss = real & (is_pick == 1) & (start == position)
-    rank = jnp.cumsum(first_miss) - 1  # among the distinct missing ids
-    at = jnp.where(is_pick == 1, index, N)  # back to the picks' order
-    hit = jnp.zeros((N,), bool).at[at].set(real & (is_pick[start] == 0), mode="drop")
-    hit_row = jnp.zeros((N,), jnp.int32).at[at].set(index[start], mode="drop")
-    miss_rank = jnp.zeros((N,), jnp.int32).at[at].set(rank[start], mode="drop")
+    match = (held[None, :] == picks[:, None] + 1) & valid[:, None]
+    hit = match.any(axis=1)
+    hit_row = jnp.argmax(match, axis=1).astype(jnp.int32)
     kept = jnp.zeros((H,), bool).at[jnp.where(hit, hit_row, H)].set(True, mode="drop")
+    miss = valid & ~hit
+    # Distinct missing entries, in id order; each gets the next free or least recent row.
+    key = jnp.where(miss, picks, _NONE)
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    first = (sorted_key != _NONE) & (sorted_key != jnp.concatenate(
+        [jnp.full((1,), -1, jnp.int32), sorted_key[:-1]]))
+    rank = jnp.cumsum(first) - 1
     free_first = jnp.argsort(jnp.where(kept, _NONE, jnp.where(held == 0, -1, used)),
                              stable=True).astype(jnp.int32)
-    miss = valid & ~hit
-    out = jnp.where(hit, hit_row, jnp.where(miss, free_first[jnp.clip(miss_rank, 0, H - 1)], -1))
-    fetch = jnp.full((N,), -1, jnp.int32).at[jnp.where(first_miss, rank, N)].set(ids,
-                                                                                mode="drop")
+    row_sorted = free_first[jnp.clip(rank, 0, H - 1)]
+    row_of_miss = jnp.zeros((N,), jnp.int32).at[order].set(row_sorted)
+    out = jnp.where(hit, hit_row, jnp.where(miss, row_of_miss, -1))
+    fetch = jnp.full((N,), -1, jnp.int32).at[jnp.where(first, rank, N)].set(sorted_key,
+                                                                            mode="drop")
     dest = jnp.where(fetch >= 0, free_first[jnp.arange(N) % H], H)
     held = held.at[dest].set(fetch + 1, mode="drop")
     touched = jnp.zeros((H,), bool).at[jnp.where(out >= 0, out, H)].set(True, mode="drop")

@@ -152,24 +152,20 @@ def drop_pages(cache: Cache, page_ids) -> Cache:
 # --- rows of a stored array, in its memory space ------------------------------------------
 
 
-def _flat(stored: jax.Array, layer, page, row) -> jax.Array:
-    """Row numbers of [n, num_pages, rows, width] viewed as [n * num_pages * rows, width];
-    past the end where the page is absent (< 0) or out of range."""
-    n, pages, rows = stored.shape[:3]
-    inside = (page >= 0) & (page < pages)
-    return jnp.where(inside, (layer * pages + page) * rows + row, n * pages * rows)
+def _on_host(*xs) -> list[jax.Array]:
+    """int32 index arrays (or values), broadcast together and placed in host memory."""
+    return [jax.device_put(x, jax.memory.Space.Host) for x in jnp.broadcast_arrays(*xs)]
 
 
 def take_rows(stored: jax.Array, layer, page, row, *, host: bool) -> jax.Array:
     """Device rows stored[layer, page, row] (indices broadcast together; an absent page reads
     its layer's first row: mask it). With `host`, `stored` lives in host memory: the rows
     are gathered there and only they come to the device."""
+    page = jnp.clip(page, 0, None)
     if not host:
-        return stored[layer, jnp.clip(page, 0, None), row]
-    flat = jax.device_put(_flat(stored, layer, jnp.clip(page, 0, None), row),
-                          jax.memory.Space.Host)
-    rows = compute_on("device_host")(
-        lambda x, i: jnp.take(x.reshape(-1, x.shape[-1]), i, axis=0, mode="clip"))(stored, flat)
+        return stored[layer, page, row]
+    index = _on_host(*(jnp.asarray(x, jnp.int32) for x in (layer, page, row)))
+    rows = compute_on("device_host")(lambda x, i, p, r: x[i, p, r])(stored, *index)
     return jax.device_put(rows, jax.memory.Space.Device)
 
 
@@ -177,16 +173,16 @@ def put_rows(stored: jax.Array, layer, page, row, values: jax.Array, *, host: bo
              ) -> jax.Array:
     """stored with values written at [layer, page, row] (indices broadcast together; rows of
     an absent page (< 0) are dropped). With `host`, `stored` lives in host memory: the
-    values go there and are written there."""
+    values go there and are written there, in place (indexing the 4-D array itself: a
+    reshaped view would be a copy of the whole store)."""
+    page = jnp.where(page >= 0, page, stored.shape[1])
     if not host:
-        page = jnp.where(page >= 0, page, stored.shape[1])
         return stored.at[layer, page, row].set(values, mode="drop")
-    flat = _flat(stored, layer, page, row)
-    values = jnp.broadcast_to(values, (*flat.shape, stored.shape[-1]))
-    flat, values = (jax.device_put(x, jax.memory.Space.Host) for x in (flat, values))
+    index = _on_host(*(jnp.asarray(x, jnp.int32) for x in (layer, page, row)))
+    values = jax.device_put(jnp.broadcast_to(values, (*index[0].shape, stored.shape[-1])),
+                            jax.memory.Space.Host)
     return compute_on("device_host")(
-        lambda x, v, i: x.reshape(-1, x.shape[-1]).at[i].set(v, mode="drop").reshape(x.shape)
-    )(stored, values.reshape(-1, stored.shape[-1]), flat.reshape(-1))
+        lambda x, v, i, p, r: x.at[i, p, r].set(v, mode="drop"))(stored, values, *index)
 
 
 def _page_rows(stored: jax.Array, ids: jax.Array):
