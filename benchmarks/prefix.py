@@ -232,7 +232,7 @@ def main(argv=None):
     p.add_argument("--pages", type=int, default=160)
     p.add_argument("--chat-pages", type=int, default=28,
                    help="the chat's device pool (too small for every conversation)")
-    p.add_argument("--host-pages", type=int, default=16, help="chat: the host tier of pages")
+    p.add_argument("--host-pages", type=int, default=4, help="chat: the host tier of pages")
     p.add_argument("--slots", type=int, default=2)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
