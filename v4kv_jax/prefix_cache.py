@@ -307,16 +307,20 @@ class PrefixCache:
             self.stats["snapshots_taken"] += 1
         self.snapshots.put(record, _snapshot(self._cache, jnp.int32(req.slot)))
 
-    def _device_contents(self, digests: Sequence[bytes]) -> list[dict]:
-        """The contents (numpy, per page) of listed pages, read from the pool."""
+    def _read(self, page_ids: Sequence[int]) -> list[dict]:
+        """The contents (numpy, per page) of pool pages, read max_pages_per_seq at a time."""
         M = self.geometry.max_pages_per_seq
         out = []
-        for at in range(0, len(digests), M):
-            part = digests[at:at + M]
-            read = _read_pages(self._cache, self._padded([self.index.page(d) for d in part], M))
+        for at in range(0, len(page_ids), M):
+            part = page_ids[at:at + M]
+            read = _read_pages(self._cache, self._padded(part, M))
             read = {k: np.asarray(v) for k, v in read.items()}
             out += [{k: v[:, j] for k, v in read.items()} for j in range(len(part))]
         return out
+
+    def _device_contents(self, digests: Sequence[bytes]) -> list[dict]:
+        """The contents (numpy, per page) of listed pages, read from the pool."""
+        return self._read([self.index.page(d) for d in digests])
 
     def _store_chain(self, record: prefix.SnapshotRecord) -> bool:
         """Puts every page of a snapshot's chain on disk (the files missing there, from the
@@ -349,13 +353,8 @@ class PrefixCache:
             for d, _ in dropped:
                 self.cold.touch(d)
             new = [(d, p) for d, p in dropped if self.cold.tier_of(d) is None]
-            M = self.geometry.max_pages_per_seq
-            for at in range(0, len(new), M):
-                part = new[at:at + M]
-                read = _read_pages(self._cache, self._padded([p for _, p in part], M))
-                read = {k: np.asarray(v) for k, v in read.items()}
-                for j, (d, _) in enumerate(part):
-                    self.cold.put(d, {k: v[:, j] for k, v in read.items()})
+            for (d, _), page in zip(new, self._read([p for _, p in new]), strict=True):
+                self.cold.put(d, page)
         self._cache = _drop(self._cache, self._padded([p for _, p in dropped]))
 
     def clear(self, *, disk: bool = False) -> None:
