@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,9 +28,17 @@ from conftest import GEOMETRY, MODEL, OPTIONS, positions
 POISONS = {"none": None, "nan": float("nan"), "huge": 1e30}
 
 
+def _committed(cache):
+    """The same cache, its arrays committed where they are (same values)."""
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding), cache)
+
+
 def _poisoner(value):
+    # Unpoisoned, the cache is committed as a poisoned one is (`poison_unowned` places its
+    # arrays), so that the clean run and the poisoned run call one compiled program each
+    # (jit compiles one per placement) and differ by the poison alone.
     if value is None:
-        return lambda cache: cache
+        return _committed
     return lambda cache: synthetic.poison_unowned(cache, value)
 
 
