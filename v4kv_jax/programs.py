@@ -15,8 +15,9 @@ which owns:
   placement  a donated argument holding any committed array enters committed throughout
              (`committed_together`): the program returns it so, and call 2 would otherwise
              compile the program again from call 1's trace (c4_tier="host")
-
-Later, the placement of a program's arguments over a device mesh belongs here too.
+  meshes     the step programs take a static `mesh` (None: one device); given one, their
+             body runs per shard under `jax.shard_map` (`v4kv_jax.mesh.shard_program`): one
+             compiled program serves every shard, and no program moves data between shards
 
 The library's programs, by name (`PROGRAMS`; the Generator makes one per instance):
 
@@ -29,6 +30,7 @@ The library's programs, by name (`PROGRAMS`; the Generator makes one per instanc
   batch.pad                pad a batch's arrays to a bucket (manager)
   nn.forward               one model call (`nn.forward`)
   engine.step              the Engine's step: replay, prefill and decode rows, sampling
+  mesh.init_cache          an empty cache of a mesh, each device making its shard
 """
 
 from __future__ import annotations
@@ -88,12 +90,15 @@ def committed_together(tree):
     argument holding a committed array) or not at all (the device tier, whose programs
     return it so), a cache keeps one placement across calls. Tracers and non-arrays pass.
     """
-    committed = [getattr(x, "committed", None) for x in jax.tree.leaves(tree)]
-    if True not in committed or False not in committed:
+    def committed(x) -> bool | None:
+        return x.committed if isinstance(x, jax.Array) and not isinstance(
+            x, jax.core.Tracer) else None
+
+    flags = [committed(x) for x in jax.tree.leaves(tree)]
+    if True not in flags or False not in flags:
         return tree
     return jax.tree.map(
-        lambda x: jax.device_put(x, x.sharding) if getattr(x, "committed", True) is False
-        else x, tree)
+        lambda x: jax.device_put(x, x.sharding) if committed(x) is False else x, tree)
 
 
 PROGRAMS: dict[str, Program] = {}

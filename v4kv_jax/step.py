@@ -12,15 +12,22 @@ jitted entry points run the whole step with the cache donated:
   replay             rewrite the State (window rings, tails) of tokens a slot already holds
 
 How the ops run (reference or Pallas kernels, read tiling) is `Options`, passed to the calls.
+
+Given a `mesh` (`v4kv_jax.mesh`), the jitted entry points take a mesh's cache and run every
+shard's rows on its own device: the batch is the shards' rows end to end (B = N * rows per
+shard; row r is shard r // (B / N)'s), each row's slot id local to its shard.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from v4kv_jax import append, checks, ops, pools, programs
+from v4kv_jax import mesh as meshes
 from v4kv_jax import vectors as vec
 from v4kv_jax.append import AppendPlan, read_slots
 from v4kv_jax.config import LayerKind, Options
@@ -319,21 +326,54 @@ def chunk_length(vectors: TokenVectors) -> int:
 
 
 def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids,
-                n_new) -> int:
-    """Checks of the eager entry points; returns the chunk length T."""
+                n_new, mesh=None, start=None) -> int:
+    """Checks of the eager entry points (each shard's rows against its cache with a `mesh`);
+    returns the chunk length T."""
     if not isinstance(cache, Cache):
         checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
     tokens = chunk_length(vectors)
     batch = np.shape(slot_ids)[0] if np.ndim(slot_ids) else -1
     check_vectors(cache, vectors, batch, tokens)
     check_weights(cache, weights)
-    if checks.concrete(slot_ids, n_new):
-        append.check_rows(cache, slot_ids, n_new, tokens)
+    if not checks.concrete(slot_ids, n_new, start):
+        return tokens
+    shards = {0: cache} if mesh is None else meshes.split(cache, meshes.check_mesh(mesh))
+    n = 1 if mesh is None else mesh.size
+    if batch % n:
+        checks.fail("slot_ids", f"a multiple of the mesh's {n} devices rows (each shard's "
+                    "rows end to end)", f"{batch} rows")
+    rows = batch // n
+    for i, local in shards.items():
+        def part(x, i=i):  # the shard's rows (all of them, as given, without a mesh)
+            return x if mesh is None else np.asarray(x)[i * rows:(i + 1) * rows]
+
+        append.check_rows(local, part(slot_ids), part(n_new), tokens)
+        if start is not None:
+            append.check_replay(local, part(slot_ids), part(start), part(n_new), tokens)
     return tokens
 
 
+_ROWS = meshes.P(None, meshes.DATA)  # [n, B, ...]: the rows on axis 1
+_BY_ROW = meshes.P(meshes.DATA)
+
+
+def _on_mesh(body, mesh, in_specs, out_specs):
+    """`body` run per shard over `mesh` (`mesh.shard_program`)."""
+    return meshes.shard_program(body, mesh, in_specs, out_specs)
+
+
+def _query_specs(queries: Queries) -> Queries:
+    return Queries(q=_ROWS, sink=meshes.P(),
+                   index_q=None if queries.index_q is None else _ROWS,
+                   index_weights=None if queries.index_weights is None else _ROWS)
+
+
 def _append_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
-                slot_ids: jax.Array, n_new: jax.Array, options: Options) -> Cache:
+                slot_ids: jax.Array, n_new: jax.Array, options: Options, mesh=None) -> Cache:
+    if mesh is not None:
+        return _on_mesh(functools.partial(_append_all, options=options), mesh,
+                        (meshes.CACHE, _ROWS, meshes.P(), _BY_ROW, _BY_ROW), meshes.CACHE)(
+                            cache, vectors, weights, slot_ids, n_new)
     cache, plan = append.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
     cache = append.append_layers(cache, plan, vectors, weights, options)
     return append.end_append(cache, plan)
@@ -341,7 +381,12 @@ def _append_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
 
 def _append_attend_all(cache: Cache, vectors: TokenVectors, queries: Queries,
                        weights: CompressorWeights, slot_ids: jax.Array, n_new: jax.Array,
-                       options: Options):
+                       options: Options, mesh=None):
+    if mesh is not None:
+        return _on_mesh(functools.partial(_append_attend_all, options=options), mesh,
+                        (meshes.CACHE, _ROWS, _query_specs(queries), meshes.P(), _BY_ROW,
+                         _BY_ROW), (meshes.CACHE, _ROWS))(
+                            cache, vectors, queries, weights, slot_ids, n_new)
     cache, plan = append.begin_append(cache, slot_ids, n_new, vectors.window.shape[2])
     cache, out = layers_step(cache, plan, vectors, queries, weights, options)
     return append.end_append(cache, plan), out
@@ -349,22 +394,27 @@ def _append_attend_all(cache: Cache, vectors: TokenVectors, queries: Queries,
 
 def _replay_all(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
                 slot_ids: jax.Array, start: jax.Array, n_new: jax.Array,
-                options: Options) -> Cache:
+                options: Options, mesh=None) -> Cache:
+    if mesh is not None:
+        return _on_mesh(functools.partial(_replay_all, options=options), mesh,
+                        (meshes.CACHE, _ROWS, meshes.P(), _BY_ROW, _BY_ROW, _BY_ROW),
+                        meshes.CACHE)(cache, vectors, weights, slot_ids, start, n_new)
     plan = append.replay_plan(cache, slot_ids, start, n_new, vectors.window.shape[2])
     return append.append_layers(cache, plan, vectors, weights, options)
 
 
 _append_all_jit = programs.program("step.prefill", _append_all, donate=("cache",),
-                                   static=("options",))
+                                   static=("options", "mesh"))
 _append_attend_all_jit = programs.program("step.append_and_attend", _append_attend_all,
-                                          donate=("cache",), static=("options",))
+                                          donate=("cache",), static=("options", "mesh"))
 _replay_all_jit = programs.program("step.replay", _replay_all, donate=("cache",),
-                                   static=("options",))
+                                   static=("options", "mesh"))
 
 
 def append_and_attend(cache: Cache, vectors: TokenVectors, queries: Queries,
                       weights: CompressorWeights, slot_ids, n_new, *,
-                      options: Options | None = None) -> tuple[Cache, jax.Array]:
+                      options: Options | None = None, mesh: meshes.Mesh | None = None
+                      ) -> tuple[Cache, jax.Array]:
     """Appends a chunk (prefill, or decode with T = 1) and attends in every layer; jitted,
     cache donated.
 
@@ -373,15 +423,16 @@ def append_and_attend(cache: Cache, vectors: TokenVectors, queries: Queries,
     Returns:
       (cache, f32[n_layers, B, T, H, hd]) attention outputs before the output projection.
     """
-    tokens = _check_call(cache, vectors, weights, slot_ids, n_new)
+    tokens = _check_call(cache, vectors, weights, slot_ids, n_new, mesh)
     check_queries(cache, None, queries, len(slot_ids), tokens)
     return _append_attend_all_jit(cache, vectors, queries, weights,
                                   jnp.asarray(slot_ids, jnp.int32), jnp.asarray(n_new, jnp.int32),
-                                  options=_options(options))
+                                  options=_options(options), mesh=mesh)
 
 
 def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
-            slot_ids, n_new, *, options: Options | None = None) -> Cache:
+            slot_ids, n_new, *, options: Options | None = None,
+            mesh: meshes.Mesh | None = None) -> Cache:
     """Appends up to T tokens to each of B slots, from any starting length.
 
     Leaves the state that feeding the same tokens one by one through `decode_step` leaves:
@@ -396,14 +447,16 @@ def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       slot_ids: i32[B] distinct slots (-1: a padding row, n_new 0).
       n_new: i32[B] tokens of each row to append (the rest of the row is padding).
       options: how the ops run.
+      mesh: a `v4kv_jax.mesh.data_mesh` the cache is a mesh's cache of (the batch is the
+        shards' rows end to end; see the module docstring), or None.
     """
-    _check_call(cache, vectors, weights, slot_ids, n_new)
+    _check_call(cache, vectors, weights, slot_ids, n_new, mesh)
     return _append_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
-                           jnp.asarray(n_new, jnp.int32), options=_options(options))
+                           jnp.asarray(n_new, jnp.int32), options=_options(options), mesh=mesh)
 
 
 def replay(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids, start,
-           n_new, *, options: Options | None = None) -> Cache:
+           n_new, *, options: Options | None = None, mesh: meshes.Mesh | None = None) -> Cache:
     """Rewrites the State of positions [start, start + n_new) of each slot, tokens the slot
     already holds: window rings and compressor tails only (`append.replay_plan`); no entry,
     page, length or status changes. The input cache is donated.
@@ -424,36 +477,45 @@ def replay(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot
       start: i32[B] first replayed position per row.
       n_new: i32[B] tokens replayed per row (start + n_new <= the slot's length).
       options: how the ops run.
+      mesh: a `v4kv_jax.mesh.data_mesh` the cache is a mesh's cache of (the batch is the
+        shards' rows end to end; see the module docstring), or None.
     """
-    tokens = _check_call(cache, vectors, weights, slot_ids, n_new)
-    if checks.concrete(slot_ids, start, n_new):
-        append.check_replay(cache, slot_ids, start, n_new, tokens)
+    _check_call(cache, vectors, weights, slot_ids, n_new, mesh, start=start)
     return _replay_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
                            jnp.asarray(start, jnp.int32), jnp.asarray(n_new, jnp.int32),
-                           options=_options(options))
+                           options=_options(options), mesh=mesh)
 
 
 def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
-                active=None, *, options: Options | None = None) -> Cache:
-    """Appends one token to every active slot (a batch over all `max_slots` slots).
+                active=None, *, options: Options | None = None,
+                mesh: meshes.Mesh | None = None) -> Cache:
+    """Appends one token to every active slot (a batch over all `max_slots` slots; with a
+    mesh, over every shard's slots, shard after shard).
 
     Args:
       cache: the cache (donated).
-      vectors: `TokenVectors` with [.., max_slots, 1, ..] arrays.
+      vectors: `TokenVectors` with [.., max_slots, 1, ..] arrays (N * max_slots rows with
+        a mesh of N devices).
       weights: compressor params of every layer.
-      active: bool[max_slots]; default: every slot whose status is ACTIVE.
+      active: bool[max_slots] (bool[N * max_slots]); default: every slot whose status is
+        ACTIVE.
       options: how the ops run.
+      mesh: a `v4kv_jax.mesh.data_mesh` the cache is a mesh's cache of (the batch is the
+        shards' rows end to end; see the module docstring), or None.
     """
     S = cache.geometry.max_slots
+    slots = np.arange(S, dtype=np.int32)
+    if mesh is not None:
+        slots = np.tile(slots, meshes.check_mesh(mesh).size)
     if active is None:
         active = pools.status(cache) == SlotStatus.ACTIVE
     elif checks.concrete(active):
-        checks.shape("active", active, (S,))
+        checks.shape("active", active, slots.shape)
         checks.dtype_kind("active", active, "bool")
     n_new = jnp.asarray(active, jnp.int32)
-    _check_call(cache, vectors, weights, np.arange(S, dtype=np.int32), n_new)
-    return _append_all_jit(cache, vectors, weights, jnp.arange(S, dtype=jnp.int32), n_new,
-                           options=_options(options))
+    _check_call(cache, vectors, weights, slots, n_new, mesh)
+    return _append_all_jit(cache, vectors, weights, jnp.asarray(slots), n_new,
+                           options=_options(options), mesh=mesh)
 
 
 def __getattr__(name: str):

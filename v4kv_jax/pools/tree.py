@@ -293,6 +293,20 @@ def free_pages(cache: Cache) -> jax.Array:
     return cache.pages.num_free
 
 
+STACKED = "stacked"  # `shard_axes`: the shards' values stacked on a new leading axis
+
+
+def shard_axes(cache: Cache) -> Cache:
+    """For each array of `cache`, the axis along which the caches of a data mesh's shards lie
+    end to end in the mesh's global cache (`v4kv_jax.mesh`): the slot axis of the State and
+    the page table, the page axis of the Classical stores, the free stack and the refcounts;
+    `STACKED` for the free-page count (a scalar per shard). A Cache-shaped tree of those."""
+    return cache.replace(
+        classical=jax.tree.map(lambda _: 1, cache.classical),
+        pages=cache.pages.replace(page_table=0, free_stack=0, refcount=0, num_free=STACKED),
+        state=jax.tree.map(lambda _: 1, cache.state).replace(lengths=0, status=0))
+
+
 def _empty_hot_set(model: AttentionConfig, geometry: CacheConfig) -> HotSet | None:
     rows_per_slot = geometry.hot_set_rows(model)
     if not rows_per_slot:
@@ -344,9 +358,10 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
 
 
 __all__ = ["CSAEntries", "CSATails", "Cache", "ClassicalPool", "HCAEntries", "HotSet",
-           "OnlineTail", "SlotStatus", "StatePool", "Tail", "codec", "csa_entries", "csa_tails",
-           "entries", "free_pages", "hca_entries", "hca_tail", "hot_rows", "hot_set",
-           "init_cache", "lengths", "on_host", "online_tail", "page_rows", "page_state",
-           "page_table", "refcounts", "status", "tail", "window_ring", "with_entries",
-           "with_hot_rows", "with_hot_set", "with_page_state", "with_slots", "with_tail",
-           "with_window_ring"]
+           "OnlineTail", "STACKED", "SlotStatus", "StatePool", "Tail", "codec",
+           "csa_entries", "csa_tails", "entries", "free_pages", "hca_entries",
+           "hca_tail", "hot_rows", "hot_set", "init_cache", "lengths", "on_host",
+           "online_tail", "page_rows", "page_state", "page_table", "refcounts",
+           "shard_axes", "status", "tail", "window_ring", "with_entries",
+           "with_hot_rows", "with_hot_set", "with_page_state", "with_slots",
+           "with_tail", "with_window_ring"]
