@@ -30,6 +30,8 @@ filesystem fault into a warning and a miss (`v4kv_jax.prefix_disk`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import os
 import warnings
@@ -41,8 +43,9 @@ import numpy as np
 from flax import nnx, struct
 
 from v4kv_jax import checks, page_tiers, pools, prefix, programs
-from v4kv_jax.config import CacheConfig, Options
-from v4kv_jax.manager import PageShortfall, PoolExhaustedError
+from v4kv_jax import mesh as meshes
+from v4kv_jax.config import AttentionConfig, CacheConfig, Options
+from v4kv_jax.manager import PageShortfall, PoolExhaustedError, SlotTable
 from v4kv_jax.nn.generate import ModelCache, sample
 from v4kv_jax.nn.model import Decoder
 from v4kv_jax.paging import pages_for
@@ -78,9 +81,20 @@ class StepBatch:
     temperature: jax.Array
 
 
-def _step(graphdef, options: Options, params, cache: Cache, batch: StepBatch, key: jax.Array):
+def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBatch,
+          key: jax.Array):
     """(cache, next i32[S], logits f32[S, V]): replay, prefill and decode rows in that order;
-    row s's logits are those of its prefill chunk's last token or of its decode token."""
+    row s's logits are those of its prefill chunk's last token or of its decode token.
+
+    With a `mesh`, every shard runs this on its own cache and rows (the batch's rows are the
+    shards' rows end to end, each shard's slot ids its own); params and key are replicated.
+    """
+    if mesh is not None:
+        per_shard = functools.partial(_step, graphdef, options, None)
+        return meshes.shard_program(
+            per_shard, mesh, (meshes.P(), meshes.CACHE, meshes.P(meshes.DATA), meshes.P()),
+            (meshes.CACHE, meshes.P(meshes.DATA), meshes.P(meshes.DATA)))(
+                params, cache, batch, key)
     model = nnx.merge(graphdef, params)
     S, V = batch.request.shape[0], model.config.vocab_size
     rows = jnp.arange(S)
@@ -116,7 +130,7 @@ def _step(graphdef, options: Options, params, cache: Cache, batch: StepBatch, ke
 
 
 _step_jit = programs.program("engine.step", _step, donate=("cache",),
-                             static=("graphdef", "options"))
+                             static=("graphdef", "options", "mesh"))
 
 
 def compiled_step_programs() -> int:
@@ -126,6 +140,25 @@ def compiled_step_programs() -> int:
 
 
 # --- the engine -----------------------------------------------------------------------------------
+
+
+class Shard:
+    """One data shard of an Engine: the cache on its device, its slot table and its prefix
+    cache (listed pages, snapshots, host and disk tiers of its own).
+
+    Attributes:
+      index: the shard's place on the mesh (0 without one).
+      cache: the shard's cache (slot and page ids local to it).
+      table: its `SlotTable`.
+      prefix_cache: its `PrefixCache`.
+    """
+
+    def __init__(self, index: int, cache: Cache, table: SlotTable):
+        self.index, self.cache, self.table = index, cache, table
+        self.prefix_cache: PrefixCache
+
+    def __repr__(self) -> str:
+        return f"Shard({self.index}, {len(self.table)} requests)"
 
 
 class Engine(ModelCache):
@@ -156,6 +189,12 @@ class Engine(ModelCache):
       seed: the sampling seed (each request draws from its own stream, whatever the batch).
       keep_logits: return each generated token's logits in its `RequestOutput`.
       options: how the ops run.
+      mesh: a `v4kv_jax.mesh.data_mesh` to run data-parallel over (None: one device). Each
+        of its devices holds a shard: a cache of `geometry` (so the engine runs
+        mesh.size * max_slots requests over mesh.size * num_pages pages) with its own prefix
+        cache; a new request goes to the shard holding the longest prefix of its prompt,
+        else to the least loaded one. With more than one shard, shard i keeps its files in
+        `snapshot_dir`/shard-i.
     """
 
     def __init__(self, model: Decoder, geometry: CacheConfig, *, prefill_chunk: int = 128,
@@ -163,7 +202,9 @@ class Engine(ModelCache):
                  device_snapshots: int = 8, host_snapshots: int = 32,
                  host_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
                  disk_snapshots: int | None = None, disk_bytes: int | None = prefix.DISK_BYTES,
-                 seed: int = 0, keep_logits: bool = False, options: Options | None = None):
+                 seed: int = 0, keep_logits: bool = False, options: Options | None = None,
+                 mesh: meshes.Mesh | None = None):
+        self.mesh = None if mesh is None else meshes.check_mesh(mesh)
         super().__init__(model, geometry, options)
         P = geometry.page_tokens
         prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
@@ -187,11 +228,18 @@ class Engine(ModelCache):
             f"index={geometry.index_dtype} window={geometry.window_dtype} "
             f"tail={geometry.tail_dtype} hca_tail={geometry.hca_tail}",
             repr(model.config), repr(self.options), prefix.tree_digest(self.params))
-        self.prefix_cache = PrefixCache(
-            self, replay_pages=self.replay_pages, snapshot_every_pages=snapshot_every_pages,
-            device_snapshots=device_snapshots, host_snapshots=host_snapshots,
-            host_pages=geometry.num_pages if host_pages is None else host_pages,
-            snapshot_dir=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes)
+        several = self.mesh is not None and self.mesh.size > 1
+        for shard in self.shards:
+            shard.prefix_cache = PrefixCache(
+                shard, replay_pages=self.replay_pages, snapshot_every_pages=snapshot_every_pages,
+                device_snapshots=device_snapshots, host_snapshots=host_snapshots,
+                host_pages=geometry.num_pages if host_pages is None else host_pages,
+                snapshot_dir=(os.path.join(snapshot_dir, f"shard-{shard.index}")
+                              if several and snapshot_dir is not None else snapshot_dir),
+                disk_snapshots=disk_snapshots, disk_bytes=disk_bytes)
+        if self.mesh is not None:
+            self._step_params = jax.device_put(self.params, meshes.replicated(self.mesh))
+            self._key = jax.device_put(self._key, meshes.replicated(self.mesh))
         self._requests: dict[int, Request] = {}
         self._queue: list[int] = []
         self._ids = itertools.count()
@@ -203,6 +251,49 @@ class Engine(ModelCache):
             ("requests", "hits", "prompt_tokens", "cached_tokens", "replayed_tokens",
              "recomputed_tokens"), 0)
 
+    # --- the shards -------------------------------------------------------------------------------
+
+    def _init_pools(self, model: AttentionConfig, geometry: CacheConfig) -> None:
+        if self.mesh is None:
+            self.shards = [Shard(0, pools.init_cache(model, geometry),
+                                 SlotTable(geometry.max_slots))]
+        else:
+            caches = meshes.split(meshes.init_cache(model, geometry, self.mesh), self.mesh)
+            self.shards = [Shard(i, c, SlotTable(geometry.max_slots)) for i, c in caches.items()]
+        self._shard = {s.index: s for s in self.shards}
+
+    @property
+    def cache(self) -> Cache:
+        """The cache; with a mesh, the global view of the shards' caches (`v4kv_jax.mesh`:
+        slot s of shard i is row i * max_slots + s). Setting it replaces every shard's."""
+        if self.mesh is None:
+            return self.shards[0].cache
+        return meshes.assemble({s.index: s.cache for s in self.shards}, self.mesh)
+
+    @cache.setter
+    def cache(self, cache: Cache) -> None:
+        if self.mesh is None:
+            self.shards[0].cache = cache
+            return
+        for i, c in meshes.split(cache, self.mesh).items():
+            self._shard[i].cache = c
+
+    def _only(self, what: str) -> Shard:
+        if len(self.shards) != 1:
+            raise AttributeError(f"Engine.{what}: the engine runs {len(self.shards)} shards, "
+                                 f"each with its own; use engine.shards[i].{what}")
+        return self.shards[0]
+
+    @property
+    def table(self) -> SlotTable:
+        """The slot table (one shard only; else each shard's `table`)."""
+        return self._only("table").table
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The prefix cache (one shard only; else each shard's `prefix_cache`)."""
+        return self._only("prefix_cache").prefix_cache
+
     @property
     def index(self) -> prefix.PrefixIndex:
         """The prefix cache's index of listed pages."""
@@ -213,6 +304,28 @@ class Engine(ModelCache):
         """The prefix cache's snapshot tiers."""
         return self.prefix_cache.snapshots
 
+    @property
+    def attn_config(self) -> AttentionConfig:
+        return self.shards[0].cache.attn_config
+
+    @property
+    def geometry(self) -> CacheConfig:
+        """The geometry of one shard (the whole cache without a mesh)."""
+        return self.shards[0].cache.geometry
+
+    @property
+    def slots(self) -> dict[int, int]:
+        """request id -> its row in `cache` (shard index * max_slots + slot)."""
+        S = self.geometry.max_slots
+        return {r: s.index * S + slot for s in self.shards for r, slot in s.table.slots.items()}
+
+    def shard_of(self, request_id: int) -> int | None:
+        """The shard a request in flight runs on (None while it waits)."""
+        return self._request(request_id).shard
+
+    def _lost(self) -> bool:
+        return any(pools.is_deleted(s.cache) for s in self.shards)
+
     # --- the disk tier and shutdown ---------------------------------------------------------------
 
     def flush(self) -> int:
@@ -222,7 +335,7 @@ class Engine(ModelCache):
         write that fails is warned about and skipped (see `step`); without a `snapshot_dir`,
         or over a read-only one, nothing is written (0)."""
         self._check_usable()
-        return self.prefix_cache.flush()
+        return sum(s.prefix_cache.flush() for s in self.shards)
 
     def close(self) -> list[RequestOutput]:
         """Flushes the snapshots and pages to disk (`flush`) and ends the engine: later calls
@@ -373,7 +486,7 @@ class Engine(ModelCache):
         try:
             self._run_step()
         except BaseException as e:
-            if pools.is_deleted(self.cache):
+            if self._lost():
                 self._broken = f"{type(e).__name__}: {e}"
                 raise self._error() from e
             raise
@@ -399,16 +512,27 @@ class Engine(ModelCache):
                                    "engine")
             return
         batch, work = self._batch(running)
-        cache, nxt, logits = _step_jit(self.graphdef, self.options, self.params, self.cache,
-                                       batch, self._key)
+        if self.mesh is None:
+            cache, nxt, logits = _step_jit(self.graphdef, self.options, None, self.params,
+                                           self.cache, batch, self._key)
+            caches = {0: cache}
+        else:
+            batch = jax.device_put(batch, meshes.by_shard(self.mesh))
+            cache, nxt, logits = _step_jit(self.graphdef, self.options, self.mesh,
+                                           self._step_params, self.cache, batch, self._key)
+            caches = meshes.split(cache, self.mesh)
         # Fetch everything the host needs first: a device failure surfaces here, before any
         # host state changes (the old cache was taken over: see `_step`).
         nxt = np.asarray(nxt)
         logits = np.asarray(logits) if self.keep_logits else None
-        table = np.asarray(pools.page_table(cache))
-        flag_error = self.table.flag_error(cache, [r.id for r in running],
-                                           {r.id: r.length + 1 for r in running})
-        self.cache = cache
+        tables, flag_error = {}, None
+        for i, cache in caches.items():
+            tables[i] = np.asarray(pools.page_table(cache))
+            mine = [r for r in running if r.shard == i]
+            flag_error = flag_error or self._shard[i].table.flag_error(
+                cache, [r.id for r in mine], {r.id: r.length + 1 for r in mine})
+        for i, cache in caches.items():
+            self._shard[i].cache = cache
         flagged = set() if flag_error is None else set(flag_error.flags)
         # Commit: every request's progress, as the device has it. Nothing here can fail.
         finished: list[Request] = []
@@ -424,11 +548,12 @@ class Engine(ModelCache):
             advanced.append((req, phase))
             if phase == "prefill" and req.length < len(req.prompt):
                 continue
-            token = int(nxt[req.slot])
+            row = self._row(req)
+            token = int(nxt[row])
             req.generated.append(token)
             req.tokens.append(token)
             if logits is not None:
-                req.logits.append(logits[req.slot].copy())
+                req.logits.append(logits[row].copy())
             if req.eos_id is not None and token == req.eos_id:
                 finished.append((req, "eos"))
             elif len(req.generated) == req.max_new_tokens:
@@ -438,9 +563,10 @@ class Engine(ModelCache):
         self._unreleased += [req for req, _ in finished]
         try:
             for req, phase in advanced:
-                self.prefix_cache.record(req, table, prompt_end=phase == "prefill")
+                self._shard[req.shard].prefix_cache.record(req, tables[req.shard],
+                                                           prompt_end=phase == "prefill")
         except BaseException:
-            if not pools.is_deleted(self.cache):
+            if not self._lost():
                 try:
                     self._release_finished()
                 except Exception:  # noqa: BLE001 - kept in _unreleased, tried next step
@@ -451,9 +577,18 @@ class Engine(ModelCache):
             self._broken = f"{type(flag_error).__name__}: {flag_error}"
             raise flag_error
 
+    def _row(self, req: Request) -> int:
+        """The request's row in a step's batch (its slot's row in `cache`)."""
+        return self._shard_row(req.shard) + req.slot
+
+    def _shard_row(self, index: int) -> int:
+        """The first row of shard `index` in a step's batch (of this process's shards)."""
+        return self.shards.index(self._shard[index]) * self.geometry.max_slots
+
     def _batch(self, running: list[Request]) -> tuple[StepBatch, dict[int, tuple[str, int]]]:
-        """The step's rows, and request id -> (phase, tokens) for each request with work."""
-        S, C = self.geometry.max_slots, self.prefill_chunk
+        """The step's rows, and request id -> (phase, tokens) for each request with work.
+        Row `_row(req)` is the request's; its slot ids are local to its shard."""
+        S, C = self.geometry.max_slots * len(self.shards), self.prefill_chunk
         rows = {name: np.full((S,) + shape, fill, np.int32) for name, shape, fill in (
             ("replay_tokens", (C,), 0), ("replay_slots", (), -1), ("replay_start", (), 0),
             ("replay_n", (), 0), ("prefill_tokens", (C,), 0), ("prefill_slots", (), -1),
@@ -463,11 +598,11 @@ class Engine(ModelCache):
         budget = self.token_budget
         work = {}
         for req in running:
-            s, phase = req.slot, req.phase()
+            s, phase = self._row(req), req.phase()
             rows["request"][s], rows["draw"][s] = req.id, len(req.generated)
             temperature[s] = req.temperature
             if phase == "decode":
-                rows["decode_slots"][s], rows["decode_n"][s] = s, 1
+                rows["decode_slots"][s], rows["decode_n"][s] = req.slot, 1
                 rows["decode_tokens"][s, 0] = req.tokens[req.length]
                 work[req.id] = (phase, 1)
                 continue
@@ -477,7 +612,7 @@ class Engine(ModelCache):
             if n <= 0:
                 continue
             budget -= n
-            rows[f"{phase}_slots"][s], rows[f"{phase}_n"][s] = s, n
+            rows[f"{phase}_slots"][s], rows[f"{phase}_n"][s] = req.slot, n
             rows[f"{phase}_tokens"][s, :n] = req.tokens[at:at + n]
             if phase == "replay":
                 rows["replay_start"][s] = at
@@ -503,8 +638,9 @@ class Engine(ModelCache):
     def _release(self, req: Request) -> None:
         """Gives a request's slot (and the pages only it holds) back."""
         if req.slot is not None:
-            self.cache = self.table.release(self.cache, req.id)
-            req.slot = None
+            shard = self._shard[req.shard]
+            shard.cache = shard.table.release(shard.cache, req.id)
+            req.slot = req.shard = None
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
         out = self._output(req, reason)
@@ -528,26 +664,44 @@ class Engine(ModelCache):
         """Drops every listed page (the index's references) and the device and host
         snapshots (with `disk`, the snapshot files too). Pages live requests hold stay."""
         self._check_usable()
-        self.prefix_cache.clear(disk=disk)
+        for s in self.shards:
+            s.prefix_cache.clear(disk=disk)
 
     # --- admission --------------------------------------------------------------------------------
 
     def _admit(self, req: Request) -> bool:
-        """Admits `req` into a free slot with its prefix hit, if the pool can hold it (after
-        evicting what it needs); False (nothing changed) otherwise."""
-        if len(self.table) == self.geometry.max_slots:
+        """Admits `req` into a free slot with its prefix hit, if a shard's pool can hold it
+        (after evicting what it needs); False (nothing changed) otherwise.
+
+        Placement: the shards with a free slot, by the longest prefix of the prompt they hold
+        (on any tier), then by the fewest pages promised to their running requests, then by
+        index; the first that can hold the request takes it."""
+        S = self.geometry.max_slots
+        open_shards = [s for s in self.shards if len(s.table) < S]
+        if not open_shards:
             return False
-        digests = self.prefix_cache.prompt_digests(req.prompt, req.namespace)
+        digests = open_shards[0].prefix_cache.prompt_digests(req.prompt, req.namespace)
         running = [r for r in self._requests.values() if r.slot is not None]
-        plan = self.prefix_cache.plan(digests, req.total_pages,
-                                      self.prefix_cache.reserved_pages(running))
-        if plan is None:
+
+        def order(shard: Shard) -> tuple:
+            mine = [r for r in running if r.shard == shard.index]
+            return (-shard.prefix_cache.hit_pages(digests), sum(r.total_pages for r in mine),
+                    len(mine), shard.index)
+
+        for shard in sorted(open_shards, key=order):
+            plan = shard.prefix_cache.plan(digests, req.total_pages, shard.prefix_cache
+                                           .reserved_pages([r for r in running
+                                                            if r.shard == shard.index]))
+            if plan is not None:
+                break
+        else:
             return False
-        self.cache, req.slot = self.table.admit(self.cache, req.id)
+        shard.cache, req.slot = shard.table.admit(shard.cache, req.id)
+        req.shard = shard.index
         try:
-            self.prefix_cache.enter(req, digests, plan)
+            shard.prefix_cache.enter(req, digests, plan)
         except BaseException:  # all or nothing: the request stays queued as it was
-            if not pools.is_deleted(self.cache):
+            if not pools.is_deleted(shard.cache):
                 self._release(req)
                 req.length = req.cached = req.replay_at = req.replay_end = req.replayed = 0
                 req.digests, req.restored_by, req.snapshot_tier = [], "none", None
@@ -564,28 +718,49 @@ class Engine(ModelCache):
     # --- reports ----------------------------------------------------------------------------------
 
     def memory_report(self) -> EngineReport:
-        table = np.asarray(pools.page_table(self.cache))
+        """The memory report; with several shards the totals, and each shard's report in
+        `shards` (its own pages, tiers and prefix-cache counters)."""
+        reports = [self._shard_report(s) for s in self.shards]
+        if len(reports) == 1:
+            return reports[0]
+        first = reports[0]
+
+        def tiers(field):
+            return {t: tuple(sum(getattr(r, field)[t][k] for r in reports) for k in (0, 1))
+                    for t in getattr(first, field)}
+
+        dirs = [r.snapshot_dir for r in reports if r.snapshot_dir]
+        return dataclasses.replace(
+            first, cache=pools.total_report([r.cache for r in reports]),
+            **{f: sum(getattr(r, f) for r in reports) for f in (
+                "pages_in_requests", "pages_shared", "pages_indexed", "pages_cached_only")},
+            snapshots=tiers("snapshots"), cold_pages=tiers("cold_pages"),
+            stats={k: (v if k in self.stats else sum(r.stats[k] for r in reports))
+                   for k, v in first.stats.items()},
+            snapshot_dir="; ".join(f"shard {r_i}: {d}" for r_i, d in enumerate(dirs)) or None,
+            shards=tuple(reports))
+
+    def _shard_report(self, shard: Shard) -> EngineReport:
+        table = np.asarray(pools.page_table(shard.cache))
         holders = np.bincount(table[table >= 0], minlength=self.geometry.num_pages)
-        listed = set(self.index.pages().values())
-        disk, page_disk = self.snapshots.disk, self.prefix_cache.cold.disk
+        pc = shard.prefix_cache
+        listed = set(pc.index.pages().values())
+        disk, page_disk = pc.snapshots.disk, pc.cold.disk
         return EngineReport(
-            cache=pools.memory_report(self.cache),
+            cache=pools.memory_report(shard.cache),
             pages_in_requests=int(np.sum(holders > 0)),
             pages_shared=int(np.sum(holders > 1)),
             pages_indexed=len(listed),
             pages_cached_only=sum(1 for p in listed if holders[p] == 0),
-            snapshots={t: (self.snapshots.count(t), self.snapshots.nbytes(t))
-                       for t in prefix.TIERS},
-            cold_pages={t: (self.prefix_cache.cold.count(t), self.prefix_cache.cold.nbytes(t))
-                        for t in page_tiers.TIERS},
-            stats={**self.stats, **self.prefix_cache.stats, **self.prefix_cache.cold.stats,
-                   "snapshots_dropped": self.snapshots.dropped,
+            snapshots={t: (pc.snapshots.count(t), pc.snapshots.nbytes(t)) for t in prefix.TIERS},
+            cold_pages={t: (pc.cold.count(t), pc.cold.nbytes(t)) for t in page_tiers.TIERS},
+            stats={**self.stats, **pc.stats, **pc.cold.stats,
+                   "snapshots_dropped": pc.snapshots.dropped,
                    "disk_errors": 0 if disk is None else disk.errors + page_disk.errors},
             snapshot_dir=None if disk is None else (
                 f"{disk.describe()}; page files: {len(page_disk)}, {page_disk.nbytes:,} B, "
                 f"{page_disk.errors} filesystem errors caught"),
         )
 
-
-__all__ = ["FINISH_REASONS", "RESTORES", "Engine", "EngineError", "EngineReport",
+__all__ = ["FINISH_REASONS", "RESTORES", "Engine", "EngineError", "EngineReport", "Shard",
            "RequestOutput", "StepBatch", "compiled_step_programs"]

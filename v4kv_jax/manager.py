@@ -265,6 +265,10 @@ class SlotCache:
         if not isinstance(geometry, CacheConfig):
             checks.fail("geometry", "a CacheConfig", type(geometry).__name__, TypeError)
         self.options = options_or_default(options)
+        self._init_pools(model, geometry)
+
+    def _init_pools(self, model: AttentionConfig, geometry: CacheConfig) -> None:
+        """Makes `cache` and `table` (a subclass may hold them otherwise)."""
         self.cache = pools.init_cache(model, geometry)
         self.table = SlotTable(geometry.max_slots)
 
@@ -284,12 +288,12 @@ class SlotCache:
     def lengths(self) -> dict[Hashable, int]:
         """request -> tokens its slot holds."""
         lengths = np.asarray(pools.lengths(self.cache))
-        return {r: int(lengths[s]) for r, s in self.table.slots.items()}
+        return {r: int(lengths[s]) for r, s in self.slots.items()}
 
     def inspect(self) -> dict[Hashable, pools.SlotReport]:
         """request -> `pools.SlotReport` of its slot."""
         by_slot = {rep.slot: rep for rep in pools.inspect_slots(self.cache)}
-        return {r: by_slot[s] for r, s in self.table.slots.items()}
+        return {r: by_slot[s] for r, s in self.slots.items()}
 
     def memory_report(self) -> pools.MemoryReport:
         return pools.memory_report(self.cache)

@@ -130,14 +130,15 @@ class PrefixIndex:
         self._clock += 1
         self._entries[digest].last_used = self._clock
 
-    def match(self, digests: Sequence[bytes]) -> list[int]:
+    def match(self, digests: Sequence[bytes], *, touch: bool = True) -> list[int]:
         """The pages of the longest prefix of `digests` that the index lists (any length,
-        none included); marks them used now."""
+        none included); marks them used now unless `touch` is False."""
         pages = []
         for d in digests:
             if d not in self._entries:
                 break
-            self._touch(d)
+            if touch:
+                self._touch(d)
             pages.append(self._entries[d].page)
         return pages
 

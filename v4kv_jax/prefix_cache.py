@@ -159,6 +159,12 @@ class PrefixCache:
 
     # --- admission --------------------------------------------------------------------------------
 
+    def hit_pages(self, digests: list[bytes]) -> int:
+        """How many full pages of `digests` a request would find on some tier now (nothing
+        is marked used): what places a request on the shard that holds its prefix."""
+        device = len(self.index.match(digests, touch=False))
+        return device + self.cold.available(digests[device:])
+
     def plan(self, digests: list[bytes], pages_needed: int, reserved: int) -> Plan | None:
         """How a request whose prompt has `digests` is admitted: the hit and how its State is
         rebuilt, with the pages it needs made free by eviction and the hit's pages that are

@@ -78,6 +78,7 @@ class Request:
     tokens: list[int]
     total_pages: int  # pages held at the full length (the last token is never appended)
     slot: int | None = None
+    shard: int | None = None  # the engine shard its slot is on
     length: int = 0  # tokens in the cache
     replay_at: int = 0
     replay_end: int = 0
@@ -115,6 +116,8 @@ class EngineReport:
         (the page files in `snapshot_dir`).
       snapshot_dir: the disk tier as one line (path, files, bytes, bound or read-only,
         filesystem errors caught), or None without one.
+      shards: an engine over several shards: each shard's report (the fields above are
+        their totals); else empty.
       stats: counters: requests, hits, prompt_tokens, cached_tokens, replayed_tokens,
         recomputed_tokens (prompt tokens computed), pages_evicted (left the device),
         pages_to_host, pages_to_disk (page files written), pages_dropped (off every tier),
@@ -131,6 +134,7 @@ class EngineReport:
     stats: dict[str, int]
     snapshot_dir: str | None = None
     cold_pages: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    shards: tuple[EngineReport, ...] = ()
 
     @property
     def cached_fraction(self) -> float:
@@ -155,7 +159,9 @@ class EngineReport:
             f"({100 * self.cached_fraction:.1f} %), replayed {s['replayed_tokens']:,}, "
             f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
             f"requests; {s['pages_evicted']} pages evicted",
-        ] + ([f"Snapshot directory {self.snapshot_dir}"] if self.snapshot_dir else []))
+        ] + ([f"Snapshot directory {self.snapshot_dir}"] if self.snapshot_dir else [])
+          + [f"Shard {i}: {r.cache.pages_used} pages used, {r.cache.pages_free} free, "
+             f"{r.pages_indexed} listed" for i, r in enumerate(self.shards)])
 
 
 __all__ = ["FINISH_REASONS", "EngineError", "EngineReport", "Request", "RequestOutput"]

@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from v4kv_jax import checks, programs
-from v4kv_jax.config import CacheConfig, Options, options_or_default
-from v4kv_jax.manager import SlotCache
+from v4kv_jax import checks, pools, programs
+from v4kv_jax import mesh as meshes
+from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
+from v4kv_jax.manager import SlotCache, SlotFlaggedError, SlotTable
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
-from v4kv_jax.pools import Cache
+from v4kv_jax.pools import Cache, SlotStatus
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
@@ -96,6 +97,24 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     return cache, out
 
 
+def _generate_on_mesh(mesh, body, params, cache: Cache, slot_ids, prompts, prompt_lengths,
+                      key, temperature, eos_id):
+    """`body` (`_generate` with its statics) per shard of `mesh`: the rows are the shards'
+    rows end to end; params, temperature and eos_id are replicated, and each shard of several
+    samples with the key folded with its index, so no two shards draw alike."""
+    rows, one = meshes.P(meshes.DATA), meshes.P()
+
+    def per_shard(params, cache, slot_ids, prompts, prompt_lengths, key, temperature, eos_id):
+        if mesh.size > 1:
+            key = jax.random.fold_in(key, jax.lax.axis_index(meshes.DATA))
+        return body(params, cache, slot_ids, prompts, prompt_lengths, key, temperature, eos_id)
+
+    return meshes.shard_program(per_shard, mesh,
+                                (one, meshes.CACHE, rows, rows, rows, one, one, one),
+                                (meshes.CACHE, rows))(
+        params, cache, slot_ids, prompts, prompt_lengths, key, temperature, eos_id)
+
+
 @dataclasses.dataclass
 class GenerationResult:
     """tokens: i32[B, max_new_tokens] (-1 after a row's last token); lengths: i32[B] tokens
@@ -140,13 +159,18 @@ class Generator(ModelCache):
       max_new_tokens: tokens generated per prompt (fewer for a row that emits `eos_id`).
       prefill_chunk: tokens per prefill step.
       options: how the ops run (`v4kv_jax.Options`; default: "auto").
+      mesh: a `v4kv_jax.mesh.data_mesh` (None: one device): each device holds a shard of
+        `geometry`, so a call takes up to mesh.size * max_slots prompts; prompt b runs on
+        shard b // max_slots. Greedy rows give the tokens of one device; sampled rows draw
+        from the call's key folded with their shard's index.
     """
 
     _live: weakref.WeakSet[Generator] = weakref.WeakSet()
 
     def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
                  max_new_tokens: int, prefill_chunk: int = 128,
-                 options: Options | None = None):
+                 options: Options | None = None, mesh: meshes.Mesh | None = None):
+        self.mesh = None if mesh is None else meshes.check_mesh(mesh)
         super().__init__(model, geometry, options)
         max_prompt_len = checks.integer("max_prompt_len", max_prompt_len, lo=1)
         max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
@@ -159,11 +183,34 @@ class Generator(ModelCache):
         self.prefill_chunk = min(prefill_chunk, max_prompt_len)
         self.buffer = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
         self.max_prompt_len = max_prompt_len
-        self._program = programs.program(
-            "generator", functools.partial(_generate, self.graphdef, self.max_new_tokens,
-                                           self.prefill_chunk, self.options),
-            donate=("cache",), register=False)
+        body = functools.partial(_generate, self.graphdef, self.max_new_tokens,
+                                 self.prefill_chunk, self.options)
+        if self.mesh is not None:
+            body = functools.partial(_generate_on_mesh, self.mesh, body)
+            self.params = jax.device_put(self.params, meshes.replicated(self.mesh))
+        self._program = programs.program("generator", body, donate=("cache",), register=False)
         Generator._live.add(self)
+
+    def _init_pools(self, model: AttentionConfig, geometry: CacheConfig) -> None:
+        if self.mesh is None:
+            super()._init_pools(model, geometry)
+            self.tables = {0: self.table}
+            return
+        self.cache = meshes.init_cache(model, geometry, self.mesh)
+        self.tables = {i: SlotTable(geometry.max_slots)
+                       for i in meshes.split(self.cache, self.mesh)}
+        self.table = None  # one per shard: `tables`
+
+    @property
+    def batch(self) -> int:
+        """Prompts per call: max_slots, times the mesh's devices."""
+        return self.geometry.max_slots * (1 if self.mesh is None else self.mesh.size)
+
+    @property
+    def slots(self) -> dict[int, int]:
+        """prompt -> its row of `cache` (shard * max_slots + slot), for this process's."""
+        S = self.geometry.max_slots
+        return {b: i * S + s for i, t in self.tables.items() for b, s in t.slots.items()}
 
     @property
     def traces(self) -> int:
@@ -198,11 +245,13 @@ class Generator(ModelCache):
           each shortfall counted for the prompt plus max_new_tokens - 1 tokens) when the pool
           ran out, `SlotFlaggedError` for other flags.
         """
-        batch = self.geometry.max_slots
+        batch = self.batch
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
         if not 1 <= len(prompts) <= batch:
-            checks.fail("prompts", f"1 to {batch} prompts (max_slots)", f"{len(prompts)} prompts")
+            checks.fail("prompts", f"1 to {batch} prompts (max_slots"
+                        + ("" if self.mesh is None else " x mesh devices") + ")",
+                        f"{len(prompts)} prompts")
         temperature = checks.real("temperature", temperature, lo=0.0)
         seed = checks.integer("seed", seed)
         V = self.config.vocab_size
@@ -217,19 +266,41 @@ class Generator(ModelCache):
                             "(max_prompt_len)", f"{p.size} tokens")
             buf[b, :p.size] = p
             lengths[b] = p.size
-        self.cache = self.table.release_all(self.cache)
+        S = self.geometry.max_slots
+        caches = {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
         slot_ids = np.full((batch,), -1, np.int32)
-        for b in range(len(prompts)):
-            self.cache, slot_ids[b] = self.table.admit(self.cache, b)
-        self.cache, out = self._program(
-            self.params, self.cache, jnp.asarray(slot_ids), jnp.asarray(buf),
-            jnp.asarray(lengths), jax.random.PRNGKey(seed), jnp.float32(temperature),
-            jnp.int32(-1 if eos_id is None else eos_id))
+        for i, table in self.tables.items():  # prompt b on shard b // S
+            cache = table.release_all(caches[i])
+            for b in range(i * S, min((i + 1) * S, len(prompts))):
+                cache, slot_ids[b] = table.admit(cache, b)
+            caches[i] = cache
+        slot_ids[:len(prompts)] = np.arange(len(prompts)) % S  # every process's rows
+        args = (slot_ids, buf, lengths)
+        scalars = (jax.random.PRNGKey(seed), jnp.float32(temperature),
+                   jnp.int32(-1 if eos_id is None else eos_id))
+        if self.mesh is None:
+            cache = caches[0]
+            args = tuple(jnp.asarray(a) for a in args)
+        else:
+            cache = meshes.assemble(caches, self.mesh)
+            args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in args)
+            scalars = tuple(meshes.put(a, meshes.replicated(self.mesh)) for a in scalars)
+        self.cache, out = self._program(self.params, cache, *args, *scalars)
         wanted = {b: int(lengths[b]) + self.max_new_tokens - 1 for b in range(len(prompts))}
-        error = self.table.flag_error(self.cache, range(len(prompts)), wanted, noun="prompt")
+        error = None
+        caches = {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
+        for i, table in self.tables.items():
+            mine = [b for b in table if b < len(prompts)]
+            error = error or table.flag_error(caches[i], mine, wanted, noun="prompt")
+        out = meshes.fetch(out)[:len(prompts)]
+        if self.mesh is not None and meshes.any_process(error is not None) and error is None:
+            status = meshes.fetch(pools.status(self.cache))  # prompt b's row is b
+            error = SlotFlaggedError({b: SlotStatus(int(status[b])).name
+                                      for b in range(len(prompts))
+                                      if status[b] not in (SlotStatus.ACTIVE, SlotStatus.FREE)},
+                                     noun="prompt")
         if error is not None:
             raise error
-        out = np.asarray(out)[:len(prompts)]
         return GenerationResult(tokens=out, lengths=np.sum(out >= 0, axis=1).astype(np.int32))
 
 

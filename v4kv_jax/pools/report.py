@@ -188,6 +188,18 @@ class MemoryReport:
              if self.host_bytes["classical"] else []))
 
 
+def total_report(reports: list[MemoryReport]) -> MemoryReport:
+    """The report of several caches of one geometry together (the shards of a mesh): counts
+    and bytes summed, per-token and per-page figures as they are."""
+    first = reports[0]
+    total = {f: sum(getattr(r, f) for r in reports) for f in (
+        "pages_total", "pages_used", "pages_free", "pages_shared", "allocated_bytes",
+        "entry_bytes", "state_bytes_total")}
+    kinds = {f: {k: sum(getattr(r, f)[k] for r in reports) for k in getattr(first, f)}
+             for f in ("device_bytes", "host_bytes")}
+    return dataclasses.replace(first, **total, **kinds)
+
+
 def _entry_rows(model: AttentionConfig, geometry: CacheConfig):
     """(spec, layers of its kind, stored bytes of one entry) per compressor with layers."""
     for spec in compressor_specs(model):
@@ -301,4 +313,4 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 __all__ = ["MemoryReport", "SlotContents", "SlotReport", "classical_bytes_per_token",
            "device_bytes_per_token",
            "dense_cache_bytes_per_token", "inspect_slots", "is_deleted", "memory_report",
-           "page_bytes", "read_slot", "state_bytes_per_request"]
+           "page_bytes", "read_slot", "state_bytes_per_request", "total_report"]

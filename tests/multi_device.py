@@ -1,0 +1,240 @@
+"""Data parallelism over eight host devices (`v4kv_jax.mesh`); run by tests/test_mesh.py in a
+subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8, so that the rest of the
+suite keeps one device. Not collected on its own (its name does not start with test_).
+
+Each shard of a mesh runs the body a one-device cache runs, on its own rows: a shard's
+outputs, stored rows and State are held bit for bit to a one-device run of the same rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import v4kv_jax as v4
+from v4kv_jax import mesh as meshes
+from v4kv_jax import pools, programs
+from v4kv_jax.engine import Engine, compiled_step_programs
+from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.pools import SlotStatus
+from v4kv_jax.testing import synthetic
+
+N = 8
+ATTENTION = v4.tiny()
+GEOMETRY = v4.CacheConfig(num_pages=6, max_slots=2, max_pages_per_seq=3)
+ROWS = GEOMETRY.max_slots  # rows per shard
+CHUNK = 32
+
+pytestmark = pytest.mark.skipif(jax.device_count() < N, reason="needs 8 devices (run by "
+                                "tests/test_mesh.py with XLA_FLAGS)")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return meshes.data_mesh(N)
+
+
+def assert_same_bits(a, b):
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):  # pools.SlotContents
+        a, b = dataclasses.asdict(a), dataclasses.asdict(b)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def admitted(cache, slots):
+    for s in slots:
+        cache = pools.reset_slot(cache, s)
+    return cache
+
+
+def poison_shards(cache, mesh):
+    return meshes.assemble({i: synthetic.poison_unowned(c)
+                            for i, c in meshes.split(cache, mesh).items()}, mesh)
+
+
+def run(cache, batch, lengths, steps, *, mesh=None, rows=None, poison=None):
+    """Chunked prefill of `lengths` tokens per row, then `steps` decode tokens of every row,
+    through `append_and_attend`; returns (cache, outputs of every call)."""
+    rows = np.arange(batch.batch) if rows is None else np.asarray(rows)
+    slots = np.tile(np.arange(ROWS, dtype=np.int32), len(rows) // ROWS)
+    longest = int(np.max(lengths))  # as many chunks whatever the rows
+    lengths = np.asarray(lengths)[rows]
+    outs = []
+    for start in range(0, longest, CHUNK):
+        n = np.clip(lengths - start, 0, CHUNK).astype(np.int32)
+        pos = start + np.arange(CHUNK)[None, :].repeat(len(rows), 0)
+        cache, out = v4.append_and_attend(cache, batch.take(pos, rows),
+                                          batch.stacked_queries(pos, rows), batch.weights,
+                                          slots, n, mesh=mesh)
+        outs.append(np.where((np.arange(CHUNK) < n[:, None])[None, :, :, None, None],
+                             np.asarray(out), 0))
+        cache = poison(cache) if poison else cache
+    for step in range(steps):
+        pos = (lengths + step)[:, None]
+        cache, out = v4.append_and_attend(cache, batch.take(pos, rows),
+                                          batch.stacked_queries(pos, rows), batch.weights,
+                                          slots, np.ones(len(rows), np.int32), mesh=mesh)
+        outs.append(np.asarray(out))
+        cache = poison(cache) if poison else cache
+    return cache, outs
+
+
+def test_every_shard_equals_a_one_device_run_of_its_rows(mesh):
+    """Outputs, stored rows and final States of eight shards, NaN in every row no request of
+    a shard owns after every call, against one-device runs of each shard's rows."""
+    batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 300, seed=3)
+    lengths = np.random.default_rng(3).integers(1, 290, N * ROWS)
+    lengths[:4] = [1, 128, 129, 256]  # a page boundary on each side, a one-token prompt
+    cache = meshes.init_cache(ATTENTION, GEOMETRY, mesh)
+    cache = meshes.assemble({i: admitted(c, range(ROWS))
+                             for i, c in meshes.split(cache, mesh).items()}, mesh)
+    traces = {name: programs.PROGRAMS[name].traces for name in ("step.append_and_attend",)}
+    cache, outs = run(cache, batch, lengths, 3, mesh=mesh,
+                      poison=lambda c: poison_shards(c, mesh))
+    # One program per chunk shape (T = CHUNK, T = 1) for every length and step.
+    assert programs.PROGRAMS["step.append_and_attend"].traces - traces[
+        "step.append_and_attend"] == 2
+    shards = meshes.split(cache, mesh)
+    for i in range(N):
+        rows = np.arange(i * ROWS, (i + 1) * ROWS)
+        one = admitted(pools.init_cache(ATTENTION, GEOMETRY), range(ROWS))
+        one, want = run(one, batch, lengths, 3, rows=rows)
+        for got, expected in zip(outs, want, strict=True):
+            np.testing.assert_array_equal(got[:, rows], expected)
+        for s in range(ROWS):
+            assert_same_bits(pools.read_slot(shards[i], s), pools.read_slot(one, s))
+        assert_same_bits(shards[i].pages, one.pages)
+        assert_same_bits(shards[i].state.lengths, one.state.lengths)
+
+
+def test_kernels_in_interpret_mode_on_a_shard():
+    """The Pallas kernels (GPU flavour, interpret mode) inside the sharded program: each
+    shard of two gives the kernels' one-device outputs and stored rows of its rows."""
+    two = meshes.data_mesh(2)
+    options = v4.Options(implementation="pallas_gpu", interpret=True, query_tile=16)
+    batch = synthetic.SyntheticBatch.draw(ATTENTION, 2 * ROWS, CHUNK, seed=6)
+    lengths = np.array([32, 1, 29, 17])  # one chunk: CSA and HCA entries, a one-token row
+
+    def kernel_run(cache, lengths, rows, mesh=None):
+        outs = []
+        for start in range(0, int(lengths.max()), CHUNK):
+            n = np.clip(lengths - start, 0, CHUNK).astype(np.int32)
+            pos = start + np.arange(CHUNK)[None, :].repeat(len(n), 0)
+            cache, out = v4.append_and_attend(
+                cache, batch.take(pos, rows), batch.stacked_queries(pos, rows),
+                batch.weights, np.tile(np.arange(ROWS, dtype=np.int32), len(n) // ROWS), n,
+                options=options, mesh=mesh)
+            outs.append(np.where((np.arange(CHUNK) < n[:, None])[None, :, :, None, None],
+                                 np.asarray(out), 0))
+        return cache, outs
+
+    cache = meshes.init_cache(ATTENTION, GEOMETRY, two)
+    cache = meshes.assemble({i: admitted(c, range(ROWS))
+                             for i, c in meshes.split(cache, two).items()}, two)
+    cache, outs = kernel_run(cache, lengths, np.arange(2 * ROWS), two)
+    for i, shard in meshes.split(cache, two).items():
+        rows = np.arange(i * ROWS, (i + 1) * ROWS)
+        one = admitted(pools.init_cache(ATTENTION, GEOMETRY), range(ROWS))
+        one, want = kernel_run(one, lengths[rows], rows)
+        for got, expected in zip(outs, want, strict=True):
+            np.testing.assert_array_equal(got[:, rows], expected)
+        assert_same_bits(shard.pages, one.pages)
+        for s in range(ROWS):
+            assert_same_bits(pools.read_slot(shard, s), pools.read_slot(one, s))
+
+
+def test_a_shard_out_of_pages_leaves_the_others_bit_identical(mesh):
+    """Shard 0's two rows need 4 pages of its 3 (num_pages=3): its rows are flagged and write
+    nothing; every other shard ends bit for bit as in a run where shard 0 appends nothing."""
+    geometry = v4.CacheConfig(num_pages=3, max_slots=2, max_pages_per_seq=3)
+    batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 256, seed=4)
+    ends = {}
+    for name, first in (("starved", 256), ("idle", 0)):
+        cache = meshes.init_cache(ATTENTION, geometry, mesh)
+        cache = meshes.assemble({i: admitted(c, range(ROWS))
+                                 for i, c in meshes.split(cache, mesh).items()}, mesh)
+        n = np.full(N * ROWS, 200, np.int32)
+        n[:ROWS] = first
+        pos = np.arange(256)[None, :].repeat(N * ROWS, 0)
+        ends[name] = meshes.split(v4.prefill(cache, batch.take(pos), batch.weights,
+                                             np.tile(np.arange(ROWS, dtype=np.int32), N), n,
+                                             mesh=mesh), mesh)
+    status = np.asarray(pools.status(ends["starved"][0]))
+    assert SlotStatus.OUT_OF_PAGES in status.tolist()
+    assert int(pools.free_pages(ends["starved"][0])) == 3 - 2 * (status == SlotStatus.ACTIVE
+                                                                ).sum()
+    for i in range(1, N):
+        assert_same_bits(ends["starved"][i], ends["idle"][i])
+
+
+def test_decode_step_over_every_shards_slots(mesh):
+    batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 4, seed=5)
+    cache = meshes.init_cache(ATTENTION, GEOMETRY, mesh)
+    cache = meshes.assemble({i: admitted(c, range(ROWS)) if i % 2 else c
+                             for i, c in meshes.split(cache, mesh).items()}, mesh)
+    for t in range(3):
+        cache = v4.decode_step(cache, batch.take(np.full(N * ROWS, t)), batch.weights,
+                               mesh=mesh)
+    lengths = np.asarray(pools.lengths(cache)).reshape(N, ROWS)
+    np.testing.assert_array_equal(lengths, [[3, 3] if i % 2 else [0, 0] for i in range(N)])
+    compiled = jax.jit(lambda c, v: v4.decode_step(c, v, batch.weights, mesh=mesh)).lower(
+        cache, batch.take(np.full(N * ROWS, 3))).compile().as_text()
+    assert meshes.collectives(compiled) == {}
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+MODEL_ATTENTION = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))
+CONFIG = ModelConfig(MODEL_ATTENTION, vocab_size=40, mlp_hidden=48)
+DECODER = Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.5)
+ENGINE_GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4)
+
+
+def test_engine_over_eight_shards(mesh, tmp_path):
+    """Requests of many lengths (some sharing prefixes) over eight shards: the tokens of a
+    one-device engine, logits within 1e-5 (other requests share a shard's batch than on one
+    device); one step program; the request with a cached prefix on the shard holding it;
+    NaN in every row no request or index of a shard holds; a report per shard."""
+    rng = np.random.default_rng(7)
+    base = rng.integers(0, 40, 400).tolist()
+    prompts = [rng.integers(0, 40, int(n)).tolist() for n in (5, 130, 300, 77, 256, 3)]
+    one = Engine(DECODER, ENGINE_GEOMETRY, prefill_chunk=64, keep_logits=True)
+    eng = Engine(DECODER, ENGINE_GEOMETRY, prefill_chunk=64, keep_logits=True, mesh=mesh,
+                 snapshot_dir=tmp_path)
+    before = compiled_step_programs()
+    first = eng.add_request(base[:300], 3)
+    ids = [eng.add_request(p, 4) for p in prompts]
+    eng.step()
+    home = eng.shard_of(first)
+    outputs = {}
+    while eng.in_flight:
+        for out in eng.step():
+            outputs[out.request_id] = out
+        for shard in eng.shards:
+            shard.cache = synthetic.poison_unowned(
+                shard.cache, held_pages=list(shard.prefix_cache.index.pages().values()))
+    hit = eng.add_request(base[:280] + [1, 2], 3)  # two full pages of `first` are cached
+    eng.step()
+    assert eng.shard_of(hit) == home
+    while eng.in_flight:
+        for out in eng.step():
+            outputs[out.request_id] = out
+    assert compiled_step_programs() - before == 1
+    assert outputs[hit].cached_tokens == 256
+    want = one.generate([base[:300]] + prompts + [base[:280] + [1, 2]], 4)
+    for rid, w in zip([first] + ids + [hit], want, strict=True):
+        got = outputs[rid]
+        n = len(got.tokens)
+        assert got.tokens == w.tokens[:n]
+        np.testing.assert_allclose(got.logits, w.logits[:n], atol=1e-5, rtol=0)
+    report = eng.memory_report()
+    assert len(report.shards) == N
+    assert report.cache.pages_total == N * ENGINE_GEOMETRY.num_pages
+    assert report.pages_indexed == sum(r.pages_indexed for r in report.shards)
+    assert eng.flush() > 0
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert written and all(name.startswith("shard-") for name in written)
+    assert (tmp_path / f"shard-{home}").is_dir()
