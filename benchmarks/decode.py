@@ -14,6 +14,13 @@ keys, online HCA tail), "float32", "bfloat16" or "float16".
     python benchmarks/decode.py                  # 1k, 8k, 32k, 128k; writes decode.json
     python benchmarks/decode.py --contexts 1024 8192 --batch 2
     python benchmarks/decode.py --contexts 131072 --formats float32 release
+    python benchmarks/decode.py --devices 8 --contexts 1024 8192   # data-parallel rows
+
+With `--devices N` (N > 1) each context runs the step data-parallel over a mesh of N devices
+(`v4kv_jax.mesh`; on CPU, N host devices made with XLA_FLAGS), `--batch` requests on each,
+next to the same step on one device with `--batch` requests: per-device bytes and times,
+and the collectives of the compiled sharded step. On a CPU the N host devices share the
+same cores and memory, so the times say what the sharding costs, not how it scales.
 """
 
 from __future__ import annotations
@@ -22,17 +29,34 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from measure import read_bandwidth, write_result
 
-from v4kv_jax import append, step, storage
-from v4kv_jax import config as cfg
-from v4kv_jax.config import FORMAT_SETS
-from v4kv_jax.testing import synthetic
+def _devices_argument(argv) -> int:
+    """--devices N from the command line, read before jax is imported (XLA_FLAGS)."""
+    for i, a in enumerate(argv):
+        if a == "--devices" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            return int(argv[i + 1])
+        if a.startswith("--devices=") and a.split("=", 1)[1].isdigit():
+            return int(a.split("=", 1)[1])
+    return 1
+
+
+if __name__ == "__main__" and _devices_argument(sys.argv[1:]) > 1:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={_devices_argument(sys.argv[1:])}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from measure import read_bandwidth, write_result  # noqa: E402
+
+from v4kv_jax import append, pools, step, storage  # noqa: E402
+from v4kv_jax import config as cfg  # noqa: E402
+from v4kv_jax import mesh as meshes  # noqa: E402
+from v4kv_jax.config import FORMAT_SETS  # noqa: E402
+from v4kv_jax.testing import synthetic  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -83,7 +107,7 @@ def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
     return batch * per_seq
 
 
-def make_v4_step(model, options: cfg.Options):
+def make_v4_step(model, options: cfg.Options, mesh=None):
     def v4_step(cache, vectors, queries, weights):
         slots = jnp.arange(cache.geometry.max_slots)
         cache, plan = append.begin_append(cache, slots, jnp.ones_like(slots), 1)
@@ -91,7 +115,75 @@ def make_v4_step(model, options: cfg.Options):
         cache = append.end_append(cache, plan)
         return cache, step.decode_attention_all(cache, queries, plan.slot_ids, options=options)
 
-    return jax.jit(v4_step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(v4_step, donate_argnums=0)
+    rows = meshes.P(None, meshes.DATA)
+    queries = step.Queries(q=rows, sink=meshes.P(), index_q=rows, index_weights=rows)
+    return jax.jit(meshes.shard_program(v4_step, mesh, (meshes.CACHE, rows, queries, meshes.P()),
+                                        (meshes.CACHE, rows)), donate_argnums=0)
+
+
+def run_devices(args) -> dict:
+    """The decode step on one device (`--batch` requests) and data-parallel over
+    `--devices` devices (`--batch` requests each)."""
+    model, n = bench_model(args), args.devices
+    if jax.device_count() < n:
+        raise SystemExit(f"--devices: expected at most {jax.device_count()} devices here; "
+                         f"got {n}")
+    mesh = meshes.data_mesh(n)
+    options = cfg.Options(implementation=args.implementation)
+    print(f"{'context':>8} {'formats':>8} {'batch':>5} {'MiB/device':>10} {'1 device ms':>11} "
+          f"{f'{n} devices ms':>13} {'collectives':>11}", flush=True)
+    rows = []
+    for context, formats in [(c, f) for c in args.contexts for f in args.formats]:
+        P = 128
+        pages_per_seq = -(-(context + args.steps + 1) // P)
+        geometry = cfg.CacheConfig.with_formats(
+            formats, num_pages=args.batch * pages_per_seq + 1, max_slots=args.batch,
+            max_pages_per_seq=pages_per_seq, page_tokens=P)
+        data = synthetic.SyntheticBatch.draw(model, n * args.batch, 1, seed=1)
+        times, found = {}, {}
+        for devices in (1, n):
+            rows_now = np.arange(devices * args.batch)
+            vectors = data.take(np.zeros(len(rows_now), int), rows_now)
+            queries = data.stacked_queries(np.zeros(len(rows_now), int), rows_now)
+            shards = [synthetic.random_cache(model, geometry, [context] * args.batch,
+                                             seed=context + i) for i in range(devices)]
+            per_device = pools.memory_report(shards[0])  # before the step donates it
+            if devices == 1:
+                fn, cache = make_v4_step(model, options), shards[0]
+            else:
+                fn = make_v4_step(model, options, mesh)
+                cache = meshes.assemble({i: jax.device_put(c, meshes.shard_devices(mesh)[i])
+                                         for i, c in enumerate(shards)}, mesh)
+                found = meshes.collectives(
+                    fn.lower(cache, vectors, queries, data.weights).compile().as_text())
+            del shards
+            cache, out = fn(cache, vectors, queries, data.weights)  # compiles
+            jax.block_until_ready(out)
+            dt = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                cache, out = fn(cache, vectors, queries, data.weights)
+                jax.block_until_ready(out)
+                dt.append(time.perf_counter() - t0)
+            times[devices] = 1e3 * statistics.median(dt)
+            del cache, out
+        row = dict(context=context, formats=formats, batch_per_device=args.batch, devices=n,
+                   bytes_read_per_device=v4_step_bytes(model, geometry, args.batch, context),
+                   cache_bytes_per_device=per_device.allocated_bytes
+                   + per_device.state_bytes_total,
+                   one_device_ms=times[1], mesh_ms=times[n],
+                   collectives=found)
+        rows.append(row)
+        print(f"{context:>8} {formats:>8} {args.batch:>5} "
+              f"{row['bytes_read_per_device'] / 2**20:10.1f} {times[1]:11.2f} {times[n]:13.2f} "
+              f"{sum(found.values()):>11}", flush=True)
+    return dict(benchmark="decode_devices", devices=n, note=(
+        "host devices of one CPU share its cores and memory: the times say what the "
+        "sharding costs, not how it scales"),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(),
+                     backend=jax.default_backend(), jax=jax.__version__), rows=rows)
 
 
 def make_dense_step(model):
@@ -218,10 +310,17 @@ def main(argv=None):
     add_model_arguments(p)
     p.add_argument("--skip-dense", action="store_true")
     p.add_argument("--dense-limit-gib", type=float, default=12.0)
-    p.add_argument("--out", default=os.path.join(HERE, "results", "decode.json"))
+    p.add_argument("--devices", type=int, default=1,
+                   help="run the step data-parallel over this many devices, --batch requests "
+                   "each, next to one device (default 1: off)")
+    p.add_argument("--out", default=None,
+                   help="JSON file (default results/decode.json, decode_devices.json)")
     args = p.parse_args(argv)
-    result = run(args)
-    write_result(result, args.out)
+    if args.devices < 1:
+        p.error(f"--devices: expected at least 1; got {args.devices}")
+    result = run_devices(args) if args.devices > 1 else run(args)
+    write_result(result, args.out or os.path.join(
+        HERE, "results", "decode_devices.json" if args.devices > 1 else "decode.json"))
 
 
 if __name__ == "__main__":

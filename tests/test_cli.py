@@ -46,6 +46,18 @@ def test_memory_with_hisparse(capsys):
             "host 3,066.00 MiB") in out
 
 
+def test_memory_over_devices(capsys):
+    assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--devices", "8",
+                     "--device-gib", "64"]) == 0
+    out = capsys.readouterr().out
+    # 3,514.25 MiB of pages + 5,057,544 B of State = 3,519.07 MiB a request: 18 in 64 GiB.
+    assert ("data parallel over 8 device(s) 18 per device, 144 in total; tensor parallel over "
+            "8 device(s) 18 in total") in out
+    assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--devices", "2",
+                     "--device-gib", "3"]) == 0
+    assert "0 per device, 0 in total" in capsys.readouterr().out
+
+
 def test_ci_runs_the_readme_test_command():
     readme = open(os.path.join(ROOT, "README.md")).read()
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
@@ -81,6 +93,9 @@ def test_ci_runs_the_readme_test_command():
     (["memory", "--hot-rows", "100"], "argument --hot-rows: expected 0 or at least the flash "
                                       "preset's index_topk=512; got 100"),
     (["memory", "--hot-rows", "-1"], "argument --hot-rows: expected an integer >= 0; got '-1'"),
+    (["memory", "--devices", "0"], "argument --devices: expected an integer >= 1; got '0'"),
+    (["memory", "--device-gib", "0"], "argument --device-gib: expected a number of GiB > 0; "
+                                      "got '0'"),
 ])
 def test_nonsensical_options_are_rejected_by_name(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -111,6 +126,9 @@ def test_subcommands_called_directly_check_their_namespace():
     with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', 'tiny'\); "
                                          "got 'huge'"):
         cli.memory(argparse.Namespace(preset="huge", tokens=5, formats="bfloat16"))
+    with pytest.raises(ValueError, match=r"--device-gib: expected a number in \(0.0, inf\]; "
+                                         "got -2.0"):
+        cli.memory(argparse.Namespace(preset="flash", tokens=5, device_gib=-2.0))
 
 
 def test_the_test_command_ends_with_the_pytest_summary():

@@ -228,6 +228,9 @@ def memory(args) -> int:
     checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
     model = cfg.PRESETS[args.preset]()
     hot_rows = checks.integer("--hot-rows", getattr(args, "hot_rows", 0), lo=0)
+    devices = checks.integer("--devices", getattr(args, "devices", 1), lo=1)
+    budget = checks.real("--device-gib", getattr(args, "device_gib", 64.0), lo=0.0,
+                         lo_open=True) * 2**30
     problem = _memory_problem(args)
     if problem:
         raise ValueError(problem)
@@ -264,6 +267,14 @@ def memory(args) -> int:
              f"{args.tokens:,} tokens per request: device {_mib(device_request + state)} "
              f"(Classical {_mib(device_request)} + State with hot sets {_mib(state)}), host "
              f"{_mib(classical - device_request)}")
+    else:
+        device_request = classical
+    per_device = int(budget // (device_request + state))
+    _say(f"Requests of {args.tokens:,} tokens in {budget / 2**30:g} GiB of cache per device "
+         f"({_mib(device_request + state)} each on the device): data parallel over {devices} "
+         f"device(s) {per_device:,} per device, {devices * per_device:,} in total; tensor "
+         f"parallel over {devices} device(s) {per_device:,} in total (the one MQA latent and "
+         f"its indexer keys are replicated on every device, so each holds every request)")
     return 0
 
 
@@ -271,7 +282,7 @@ def memory(args) -> int:
 # and `memory` check them again when called with a hand-made namespace.
 BOUNDS = {"lengths": (1, None), "decode_steps": (0, None), "chunk": (1, None),
           "pages": (1, None), "seed": (0, 2**32 - 1), "new_tokens": (1, None),
-          "vocab": (1, None), "tokens": (1, None), "hot_rows": (0, None)}
+          "vocab": (1, None), "tokens": (1, None), "hot_rows": (0, None), "devices": (1, None)}
 
 
 def _check_namespace(args, options: tuple[str, ...]) -> None:
@@ -305,6 +316,14 @@ def _int_option(lo: int, hi: int | None = None):
 
     parse.__name__ = "integer"
     return parse
+
+
+def _gib(text: str) -> float:
+    """An argparse `type` for --device-gib: a finite number of GiB > 0."""
+    try:
+        return checks.real("GiB", float(text), lo=0.0, lo_open=True)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0; got {text!r}") from None
 
 
 def _memory_problem(args) -> str | None:
@@ -358,6 +377,10 @@ def main(argv=None) -> int:
     p.add_argument("--hot-rows", type=option["hot_rows"], default=0,
                    help="HiSparse: keep the C4 entries on the host and this many device rows "
                         "per CSA layer and request (0: everything on the device)")
+    p.add_argument("--devices", type=option["devices"], default=1,
+                   help="devices of a data-parallel mesh (each holds its own requests)")
+    p.add_argument("--device-gib", type=_gib, default=64.0,
+                   help="memory per device left for the cache after weights and activations")
     p.set_defaults(run=memory, problem=_memory_problem, parser=p)
     args = parser.parse_args(argv)
     problem = args.problem(args)
