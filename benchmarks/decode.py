@@ -107,6 +107,14 @@ def v4_step_bytes(model, geometry, batch: int, context: int) -> int:
     return batch * per_seq
 
 
+def bench_geometry(formats: str, context: int, args) -> cfg.CacheConfig:
+    """`--batch` slots of `context` tokens plus the timed steps, in pages of 128 tokens."""
+    pages_per_seq = -(-(context + args.steps + 1) // 128)
+    return cfg.CacheConfig.with_formats(
+        formats, num_pages=args.batch * pages_per_seq + 1, max_slots=args.batch,
+        max_pages_per_seq=pages_per_seq, page_tokens=128)
+
+
 def make_v4_step(model, options: cfg.Options, mesh=None):
     def v4_step(cache, vectors, queries, weights):
         slots = jnp.arange(cache.geometry.max_slots)
@@ -136,11 +144,7 @@ def run_devices(args) -> dict:
           f"{f'{n} devices ms':>13} {'collectives':>11}", flush=True)
     rows = []
     for context, formats in [(c, f) for c in args.contexts for f in args.formats]:
-        P = 128
-        pages_per_seq = -(-(context + args.steps + 1) // P)
-        geometry = cfg.CacheConfig.with_formats(
-            formats, num_pages=args.batch * pages_per_seq + 1, max_slots=args.batch,
-            max_pages_per_seq=pages_per_seq, page_tokens=P)
+        geometry = bench_geometry(formats, context, args)
         data = synthetic.SyntheticBatch.draw(model, n * args.batch, 1, seed=1)
         times, found = {}, {}
         for devices in (1, n):
@@ -214,11 +218,7 @@ def run(args) -> dict:
     print(HEADER, flush=True)
     rows = []
     for context, formats in [(c, f) for c in args.contexts for f in args.formats]:
-        P = 128
-        pages_per_seq = -(-(context + args.steps + 1) // P)
-        geometry = cfg.CacheConfig.with_formats(
-            formats, num_pages=args.batch * pages_per_seq + 1, max_slots=args.batch,
-            max_pages_per_seq=pages_per_seq, page_tokens=P)
+        geometry = bench_geometry(formats, context, args)
         cache = synthetic.random_cache(model, geometry, [context] * args.batch, seed=context)
         data = synthetic.SyntheticBatch.draw(model, args.batch, 1, seed=1)
         vectors, queries = data.span(0, 1), data.stacked_queries(
