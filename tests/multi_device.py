@@ -190,14 +190,17 @@ def test_decode_step_over_every_shards_slots(mesh):
 MODEL_ATTENTION = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))
 CONFIG = ModelConfig(MODEL_ATTENTION, vocab_size=40, mlp_hidden=48)
 DECODER = Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.5)
-ENGINE_GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4)
+# The C4 entries in host memory (HiSparse): each shard's on its own device's host memory.
+ENGINE_GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4,
+                                 c4_tier="host")
 
 
 def test_engine_over_eight_shards(mesh, tmp_path):
     """Requests of many lengths (some sharing prefixes) over eight shards: the tokens of a
     one-device engine, logits within 1e-5 (other requests share a shard's batch than on one
     device); one step program; the request with a cached prefix on the shard holding it;
-    NaN in every row no request or index of a shard holds; a report per shard."""
+    NaN in every row no request or index of a shard holds; a report per shard; the C4
+    entries in host memory on every shard."""
     rng = np.random.default_rng(7)
     base = rng.integers(0, 40, 400).tolist()
     prompts = [rng.integers(0, 40, int(n)).tolist() for n in (5, 130, 300, 77, 256, 3)]
@@ -230,8 +233,13 @@ def test_engine_over_eight_shards(mesh, tmp_path):
         n = len(got.tokens)
         assert got.tokens == w.tokens[:n]
         np.testing.assert_allclose(got.logits, w.logits[:n], atol=1e-5, rtol=0)
+    assert pools.csa_entries(eng.cache).c4.sharding.memory_kind == "pinned_host"
+    assert all(pools.csa_entries(s.cache).c4.sharding.memory_kind == "pinned_host"
+               for s in eng.shards)
     report = eng.memory_report()
     assert len(report.shards) == N
+    assert report.cache.host_bytes["classical"] == sum(
+        r.cache.host_bytes["classical"] for r in report.shards) > 0
     assert report.cache.pages_total == N * ENGINE_GEOMETRY.num_pages
     assert report.pages_indexed == sum(r.pages_indexed for r in report.shards)
     assert eng.flush() > 0

@@ -4,7 +4,6 @@ subprocess (the rest of the suite keeps one device)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -51,8 +50,6 @@ def test_mesh_arguments_are_checked():
     with pytest.raises(TypeError, match="devices: expected"):
         meshes.data_mesh("cpu")
     mesh = meshes.data_mesh(1)
-    with pytest.raises(NotImplementedError, match="geometry: expected c4_tier='device'"):
-        meshes.init_cache(ATTENTION, dataclasses.replace(GEOMETRY, c4_tier="host"), mesh)
     with pytest.raises(ValueError, match="shards: expected the caches of this process's"):
         meshes.assemble({}, mesh)
     one = Engine(DECODER, GEOMETRY, mesh=mesh)
@@ -77,11 +74,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes(mode: str, bound: float) -> tuple[list, float]:
+def _two_processes(mode: str, bound: float, *args: str) -> tuple[list, float]:
     """Runs tests/two_processes.py as processes 0 and 1; [(rc, stdout, stderr)], seconds."""
     port, start = _free_port(), time.monotonic()
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "two_processes.py"), str(i),
-                               str(port), mode], stdout=subprocess.PIPE,
+                               str(port), mode, *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, cwd=HERE) for i in range(2)]
     results = []
     for p in procs:
@@ -96,25 +93,33 @@ def _two_processes(mode: str, bound: float) -> tuple[list, float]:
     return results, time.monotonic() - start
 
 
-def test_two_processes_give_the_tokens_of_one():
+def test_two_processes_give_the_tokens_of_one(tmp_path):
     """jax.distributed with a localhost coordinator: two processes of four devices, one mesh
-    of eight, one prompt per shard; every process gets every prompt's tokens, those of a
-    one-device Generator."""
-    results, _ = _two_processes("generate", 300)
+    of eight, one prompt per shard. Every process gets every prompt's tokens: the Generator's
+    those of a one-device Generator, the Engine's (two rounds, the second hitting the
+    first's pages on the shards that hold them) those of a one-device Engine."""
+    results, _ = _two_processes("generate", 400, str(tmp_path))
     for rc, _, err in results:
         assert rc == 0, err[-4000:]
-    got = [json.loads(line.splitlines()[-1])["tokens"] for _, line, _ in results]
-    assert got[0] == got[1]
+    got = [json.loads(out.splitlines()[-1]) for _, out, _ in results]
     sys.path.insert(0, HERE)
     import two_processes
 
     decoder = Decoder(ModelConfig(ATTENTION, vocab_size=40, mlp_hidden=48), rngs=nnx.Rngs(1),
                       bias_scale=0.5)
-    one = Generator(decoder, v4.CacheConfig(num_pages=4, max_slots=1, max_pages_per_seq=4),
-                    max_prompt_len=200, max_new_tokens=4, prefill_chunk=64)
+    geometry = v4.CacheConfig(num_pages=4, max_slots=1, max_pages_per_seq=4)
+    one = Generator(decoder, geometry, max_prompt_len=200, max_new_tokens=4, prefill_chunk=64)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(0, 40, n).tolist() for n in two_processes.PROMPT_LENGTHS]
-    assert got[0] == [one.generate([p]).as_lists()[0] for p in prompts]
+    want = two_processes.engine_rounds(Engine(decoder, geometry, prefill_chunk=64), prompts)
+    for process, g in enumerate(got):
+        assert g["tokens"] == [one.generate([p]).as_lists()[0] for p in prompts]
+        assert g["engine"] == want
+        assert g["shards"] == list(range(4 * process, 4 * process + 4))
+        assert g["reports"] == 8 and g["hits"] == 3 and g["pages_indexed"] == 3
+    assert sum(want["cached"]) == 3 * 128
+    written = sorted(p.name for p in tmp_path.iterdir() if any(p.iterdir()))
+    assert written == [f"shard-{i}" for i in (1, 3, 7)], written
 
 
 def test_a_dead_process_fails_the_other_within_the_bound():

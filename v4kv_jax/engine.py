@@ -45,7 +45,7 @@ from flax import nnx, struct
 from v4kv_jax import checks, page_tiers, pools, prefix, programs
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
-from v4kv_jax.manager import PageShortfall, PoolExhaustedError, SlotTable
+from v4kv_jax.manager import PageShortfall, PoolExhaustedError, SlotFlaggedError, SlotTable
 from v4kv_jax.nn.generate import ModelCache, sample
 from v4kv_jax.nn.model import Decoder
 from v4kv_jax.paging import pages_for
@@ -139,6 +139,11 @@ def compiled_step_programs() -> int:
     return _step_jit.traces
 
 
+# The fields of a Request that admission sets, sent by a shard's owner to the other processes.
+_ADMITTED = ("slot", "shard", "length", "cached", "replay_at", "replay_end", "replayed",
+             "restored_by", "snapshot_tier", "cached_from")
+
+
 # --- the engine -----------------------------------------------------------------------------------
 
 
@@ -169,8 +174,8 @@ class Engine(ModelCache):
         are hashed once, into the prefix keys).
       geometry: the cache geometry (`max_slots` requests run at once).
       prefill_chunk: tokens per prefill row and step; divides page_tokens.
-      token_budget: replay + prefill tokens per step (decode tokens come on top); default
-        max_slots * prefill_chunk.
+      token_budget: replay + prefill tokens per step and shard (decode tokens come on top);
+        default max_slots * prefill_chunk.
       snapshot_every_pages: also snapshot the State every this many pages (None: only at
         the last full page boundary of every prompt).
       device_snapshots, host_snapshots: sizes of the device and host snapshot tiers.
@@ -194,7 +199,12 @@ class Engine(ModelCache):
         mesh.size * max_slots requests over mesh.size * num_pages pages) with its own prefix
         cache; a new request goes to the shard holding the longest prefix of its prompt,
         else to the least loaded one. With more than one shard, shard i keeps its files in
-        `snapshot_dir`/shard-i.
+        `snapshot_dir`/shard-i. Under `jax.distributed` every process builds the engine and
+        makes the same calls (add_request, step, generate, abort) in the same order; each
+        process holds the shards of its own devices (their caches, slot tables, prefix
+        caches, host tiers and files) and every process takes the same placement decisions
+        from the scores its peers send (see `_admit`); every output comes back on every
+        process.
     """
 
     def __init__(self, model: Decoder, geometry: CacheConfig, *, prefill_chunk: int = 128,
@@ -261,6 +271,8 @@ class Engine(ModelCache):
             caches = meshes.split(meshes.init_cache(model, geometry, self.mesh), self.mesh)
             self.shards = [Shard(i, c, SlotTable(geometry.max_slots)) for i, c in caches.items()]
         self._shard = {s.index: s for s in self.shards}
+        self._owners = ([0] if self.mesh is None else
+                        [meshes.owner(self.mesh, i) for i in range(self.mesh.size)])
 
     @property
     def cache(self) -> Cache:
@@ -315,9 +327,9 @@ class Engine(ModelCache):
 
     @property
     def slots(self) -> dict[int, int]:
-        """request id -> its row in `cache` (shard index * max_slots + slot)."""
-        S = self.geometry.max_slots
-        return {r: s.index * S + slot for s in self.shards for r, slot in s.table.slots.items()}
+        """request id -> its row in `cache` (shard index * max_slots + slot), for every
+        running request (of every process's shards)."""
+        return {r.id: self._row(r) for r in self._requests.values() if r.slot is not None}
 
     def shard_of(self, request_id: int) -> int | None:
         """The shard a request in flight runs on (None while it waits)."""
@@ -514,26 +526,35 @@ class Engine(ModelCache):
         batch, work = self._batch(running)
         if self.mesh is None:
             cache, nxt, logits = _step_jit(self.graphdef, self.options, None, self.params,
-                                           self.cache, batch, self._key)
+                                           self.cache, jax.tree.map(jnp.asarray, batch),
+                                           self._key)
             caches = {0: cache}
         else:
-            batch = jax.device_put(batch, meshes.by_shard(self.mesh))
+            rows = meshes.by_shard(self.mesh)
             cache, nxt, logits = _step_jit(self.graphdef, self.options, self.mesh,
-                                           self._step_params, self.cache, batch, self._key)
+                                           self._step_params, self.cache,
+                                           jax.tree.map(lambda x: meshes.put(x, rows), batch),
+                                           self._key)
             caches = meshes.split(cache, self.mesh)
         # Fetch everything the host needs first: a device failure surfaces here, before any
         # host state changes (the old cache was taken over: see `_step`).
-        nxt = np.asarray(nxt)
-        logits = np.asarray(logits) if self.keep_logits else None
-        tables, flag_error = {}, None
+        nxt = meshes.fetch(nxt)
+        logits = meshes.fetch(logits) if self.keep_logits else None
+        tables, flag_error, flags = {}, None, {}
         for i, cache in caches.items():
             tables[i] = np.asarray(pools.page_table(cache))
             mine = [r for r in running if r.shard == i]
-            flag_error = flag_error or self._shard[i].table.flag_error(
-                cache, [r.id for r in mine], {r.id: r.length + 1 for r in mine})
+            error = self._shard[i].table.flag_error(cache, [r.id for r in mine],
+                                                    {r.id: r.length + 1 for r in mine})
+            if error is not None:
+                flag_error = flag_error or error
+                flags.update(error.flags)
         for i, cache in caches.items():
             self._shard[i].cache = cache
-        flagged = set() if flag_error is None else set(flag_error.flags)
+        if self.mesh is not None and meshes.any_process(bool(flags)):  # every process's
+            flags = {k: v for every in meshes.exchange(flags) for k, v in every.items()}
+            flag_error = flag_error or SlotFlaggedError(flags)
+        flagged = set(flags)
         # Commit: every request's progress, as the device has it. Nothing here can fail.
         finished: list[Request] = []
         advanced = []
@@ -563,8 +584,9 @@ class Engine(ModelCache):
         self._unreleased += [req for req, _ in finished]
         try:
             for req, phase in advanced:
-                self._shard[req.shard].prefix_cache.record(req, tables[req.shard],
-                                                           prompt_end=phase == "prefill")
+                if req.shard in self._shard:  # the shard's owner lists and snapshots
+                    self._shard[req.shard].prefix_cache.record(req, tables[req.shard],
+                                                               prompt_end=phase == "prefill")
         except BaseException:
             if not self._lost():
                 try:
@@ -579,23 +601,20 @@ class Engine(ModelCache):
 
     def _row(self, req: Request) -> int:
         """The request's row in a step's batch (its slot's row in `cache`)."""
-        return self._shard_row(req.shard) + req.slot
-
-    def _shard_row(self, index: int) -> int:
-        """The first row of shard `index` in a step's batch (of this process's shards)."""
-        return self.shards.index(self._shard[index]) * self.geometry.max_slots
+        return req.shard * self.geometry.max_slots + req.slot
 
     def _batch(self, running: list[Request]) -> tuple[StepBatch, dict[int, tuple[str, int]]]:
-        """The step's rows, and request id -> (phase, tokens) for each request with work.
-        Row `_row(req)` is the request's; its slot ids are local to its shard."""
-        S, C = self.geometry.max_slots * len(self.shards), self.prefill_chunk
+        """The step's rows (host arrays, every shard's), and request id -> (phase, tokens)
+        for each request with work. Row `_row(req)` is the request's; its slot ids are local
+        to its shard. Every process computes the same batch from the same requests."""
+        S, C = self.geometry.max_slots * len(self._owners), self.prefill_chunk
         rows = {name: np.full((S,) + shape, fill, np.int32) for name, shape, fill in (
             ("replay_tokens", (C,), 0), ("replay_slots", (), -1), ("replay_start", (), 0),
             ("replay_n", (), 0), ("prefill_tokens", (C,), 0), ("prefill_slots", (), -1),
             ("prefill_n", (), 0), ("decode_tokens", (1,), 0), ("decode_slots", (), -1),
             ("decode_n", (), 0), ("request", (), 0), ("draw", (), 0))}
         temperature = np.zeros((S,), np.float32)
-        budget = self.token_budget
+        budget = dict.fromkeys(range(len(self._owners)), self.token_budget)  # per shard
         work = {}
         for req in running:
             s, phase = self._row(req), req.phase()
@@ -608,18 +627,16 @@ class Engine(ModelCache):
                 continue
             at, end = ((req.replay_at, req.replay_end) if phase == "replay"
                        else (req.length, len(req.prompt)))
-            n = min(C - at % C, end - at, budget)
+            n = min(C - at % C, end - at, budget[req.shard])
             if n <= 0:
                 continue
-            budget -= n
+            budget[req.shard] -= n
             rows[f"{phase}_slots"][s], rows[f"{phase}_n"][s] = req.slot, n
             rows[f"{phase}_tokens"][s, :n] = req.tokens[at:at + n]
             if phase == "replay":
                 rows["replay_start"][s] = at
             work[req.id] = (phase, n)
-        batch = StepBatch(**{k: jnp.asarray(v) for k, v in rows.items()},
-                          temperature=jnp.asarray(temperature))
-        return batch, work
+        return StepBatch(**rows, temperature=temperature), work
 
     def _release_finished(self) -> None:
         """Releases the slots of finished requests; one that raises stays listed (and is
@@ -638,8 +655,9 @@ class Engine(ModelCache):
     def _release(self, req: Request) -> None:
         """Gives a request's slot (and the pages only it holds) back."""
         if req.slot is not None:
-            shard = self._shard[req.shard]
-            shard.cache = shard.table.release(shard.cache, req.id)
+            if req.shard in self._shard:  # else another process's shard: its owner releases
+                shard = self._shard[req.shard]
+                shard.cache = shard.table.release(shard.cache, req.id)
             req.slot = req.shard = None
 
     def _finish(self, req: Request, reason: str) -> RequestOutput:
@@ -675,12 +693,12 @@ class Engine(ModelCache):
 
         Placement: the shards with a free slot, by the longest prefix of the prompt they hold
         (on any tier), then by the fewest pages promised to their running requests, then by
-        index; the first that can hold the request takes it."""
+        index; the first that can hold the request takes it. With several processes each
+        scores and tries its own shards and every process takes the same decision from the
+        exchanged results (`mesh.exchange`): the owner of the shard that admits the request
+        sends its slot and hit, which the others record."""
         S = self.geometry.max_slots
-        open_shards = [s for s in self.shards if len(s.table) < S]
-        if not open_shards:
-            return False
-        digests = open_shards[0].prefix_cache.prompt_digests(req.prompt, req.namespace)
+        digests = self.shards[0].prefix_cache.prompt_digests(req.prompt, req.namespace)
         running = [r for r in self._requests.values() if r.slot is not None]
 
         def order(shard: Shard) -> tuple:
@@ -688,39 +706,69 @@ class Engine(ModelCache):
             return (-shard.prefix_cache.hit_pages(digests), sum(r.total_pages for r in mine),
                     len(mine), shard.index)
 
-        for shard in sorted(open_shards, key=order):
-            plan = shard.prefix_cache.plan(digests, req.total_pages, shard.prefix_cache
-                                           .reserved_pages([r for r in running
-                                                            if r.shard == shard.index]))
-            if plan is not None:
-                break
+        scores = [order(s) for s in self.shards if len(s.table) < S]
+        if len(self._owners) > 1:
+            scores = [key for keys in meshes.exchange(scores) for key in keys]
+        for key in sorted(scores):
+            index = key[-1]
+            outcome, error = (self._try_shard(self._shard[index], req, digests, running)
+                              if index in self._shard else (None, None))
+            if len(self._owners) > 1:
+                outcome = meshes.exchange(outcome)[self._owners[index]]
+            if outcome is None:
+                continue  # the shard cannot hold it now: the next one
+            if isinstance(outcome, str):
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"Engine: admitting request {req.id} on shard {index} "
+                                   f"failed in process {self._owners[index]}: {outcome}")
+            if index not in self._shard:
+                for name, value in outcome.items():
+                    setattr(req, name, value)
+            break
         else:
             return False
-        shard.cache, req.slot = shard.table.admit(shard.cache, req.id)
-        req.shard = shard.index
-        try:
-            shard.prefix_cache.enter(req, digests, plan)
-        except BaseException:  # all or nothing: the request stays queued as it was
-            if not pools.is_deleted(shard.cache):
-                self._release(req)
-                req.length = req.cached = req.replay_at = req.replay_end = req.replayed = 0
-                req.digests, req.restored_by, req.snapshot_tier = [], "none", None
-                req.cached_from = {}
-            raise
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(req.prompt)
         self.stats["cached_tokens"] += req.cached
         self.stats["replayed_tokens"] += req.replayed
         self.stats["recomputed_tokens"] += len(req.prompt) - req.cached
-        self.stats["hits"] += bool(plan.depth)
+        self.stats["hits"] += bool(req.cached)
         return True
+
+    def _try_shard(self, shard: Shard, req: Request, digests: list[bytes],
+                   running: list[Request]) -> tuple[dict | str | None, BaseException | None]:
+        """Admits `req` on `shard` (of this process) if its pool can hold it: (the fields
+        of `req` admission set, None); (None, None) when it cannot; (the error's text, the
+        error) when admission raised (nothing changed: all or nothing)."""
+        try:
+            plan = shard.prefix_cache.plan(digests, req.total_pages, shard.prefix_cache
+                                           .reserved_pages([r for r in running
+                                                            if r.shard == shard.index]))
+            if plan is None:
+                return None, None
+            shard.cache, req.slot = shard.table.admit(shard.cache, req.id)
+            req.shard = shard.index
+            shard.prefix_cache.enter(req, digests, plan)
+        except BaseException as e:  # noqa: BLE001 - returned, raised by the caller
+            if req.slot is not None and not pools.is_deleted(shard.cache):
+                self._release(req)
+            req.slot = req.shard = None
+            req.length = req.cached = req.replay_at = req.replay_end = req.replayed = 0
+            req.digests, req.restored_by, req.snapshot_tier = [], "none", None
+            req.cached_from = {}
+            return f"{type(e).__name__}: {e}", e
+        return {name: getattr(req, name) for name in _ADMITTED}, None
 
     # --- reports ----------------------------------------------------------------------------------
 
     def memory_report(self) -> EngineReport:
         """The memory report; with several shards the totals, and each shard's report in
-        `shards` (its own pages, tiers and prefix-cache counters)."""
+        `shards` (its own pages, tiers and prefix-cache counters). With several processes
+        every process must call it (the shards' reports are exchanged)."""
         reports = [self._shard_report(s) for s in self.shards]
+        if self.mesh is not None:
+            reports = [r for every in meshes.exchange(reports) for r in every]
         if len(reports) == 1:
             return reports[0]
         first = reports[0]

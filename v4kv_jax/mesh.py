@@ -24,6 +24,7 @@ those).
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -133,9 +134,6 @@ def shard_program(fn: Callable, mesh: Mesh, in_specs: Sequence, out_specs) -> Ca
 def init_cache(model: AttentionConfig, geometry: CacheConfig, mesh: Mesh) -> Cache:
     """An empty cache of `mesh.size` shards of `geometry`; each device makes its own."""
     mesh = check_mesh(mesh)
-    if geometry.c4_tier == "host":
-        checks.fail("geometry", "c4_tier='device' on a mesh (host-tier C4 entries per shard "
-                    "are not supported yet)", "c4_tier='host'", NotImplementedError)
     return _init_jit(model, geometry, mesh)
 
 
@@ -171,8 +169,9 @@ def assemble(shards: Mapping[int, Cache], mesh: Mesh) -> Cache:
         if axis == pools.STACKED:
             pieces = [p.reshape((1,) + p.shape) for p in pieces]
         shape = _global_shape(axis, leaves[0][k].shape, len(devices))
+        kind = pieces[0].sharding.memory_kind  # host memory: the C4 entries of c4_tier="host"
         out.append(jax.make_array_from_single_device_arrays(
-            shape, NamedSharding(mesh, _spec(axis, len(shape))), pieces))
+            shape, NamedSharding(mesh, _spec(axis, len(shape)), memory_kind=kind), pieces))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -188,6 +187,10 @@ def split(cache: Cache, mesh: Mesh) -> dict[int, Cache]:
             data = piece.data
             if axis == pools.STACKED:
                 data = data.reshape(data.shape[1:])
+            if x.sharding.memory_kind == "pinned_host":  # keep the host memory space (no copy)
+                data = jax.make_array_from_single_device_arrays(
+                    data.shape, NamedSharding(Mesh(np.asarray([piece.device]), (DATA,)), P(),
+                                              memory_kind="pinned_host"), [data])
             by_shard.setdefault(index[piece.device], []).append(data)
     return {i: jax.tree.unflatten(treedef, by_shard[i]) for i in sorted(by_shard)}
 
@@ -214,6 +217,25 @@ def any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray([bool(flag)]))))
 
 
+def exchange(value) -> list:
+    """`value` of every process, by process index (every process must call it; one process:
+    [value], with no communication). Values are pickled: for the small host records that
+    processes share (placement scores, admission results, reports)."""
+    if jax.process_count() == 1:
+        return [value]
+    data = np.frombuffer(pickle.dumps(value), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray([data.size], np.int32)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    every = np.asarray(multihost_utils.process_allgather(padded))
+    return [pickle.loads(every[p, :int(n)].tobytes()) for p, n in enumerate(sizes.reshape(-1))]
+
+
+def owner(mesh: Mesh, shard: int) -> int:
+    """The index of the process that holds shard `shard` of `mesh`."""
+    return shard_devices(mesh)[shard].process_index
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     """The sharding of an array every shard reads whole (weights, keys)."""
     return NamedSharding(mesh, PartitionSpec())
@@ -238,5 +260,5 @@ def collectives(hlo_text: str) -> dict[str, int]:
 
 
 __all__ = ["CACHE", "DATA", "P", "any_process", "assemble", "by_shard", "cache_shardings",
-           "cache_specs", "check_mesh", "collectives", "data_mesh", "fetch", "init_cache",
-           "put", "replicated", "shard_devices", "shard_program", "split"]
+           "cache_specs", "check_mesh", "collectives", "data_mesh", "exchange", "fetch",
+           "init_cache", "owner", "put", "replicated", "shard_devices", "shard_program", "split"]
