@@ -34,6 +34,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
+# The files that take longest, longest first: `--dist loadfile` hands files to the workers in
+# collection order, so these start first and the short files fill in around them.
+_LONGEST_FIRST = ("test_mesh.py", "test_formats.py", "test_engine.py", "test_isolation.py",
+                  "test_step.py", "test_state_machine.py", "test_kernel_dispatch.py",
+                  "test_kernel_compressor.py", "test_hot.py", "test_nn_model.py",
+                  "test_layer_recipe.py", "test_cli.py", "test_notebook.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        name = os.path.basename(str(item.path))
+        return _LONGEST_FIRST.index(name) if name in _LONGEST_FIRST else len(_LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ["JAX_COMPILATION_CACHE_DIR"] == _OWN_CACHE:  # the process that made it
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)

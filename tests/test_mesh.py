@@ -58,8 +58,8 @@ def test_mesh_arguments_are_checked():
 
 def test_eight_host_devices():
     """tests/multi_device.py with eight host devices, in a subprocess."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          os.path.join(HERE, "multi_device.py")],

@@ -78,11 +78,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.mgr = CacheManager(MODEL, GEOMETRY, DATA.weights)
         self.rows: dict[str, int] = {}
         self.admitted = 0
+        self._read = (None, {})  # (the cache read, what its requests' slots held)
 
     # --- helpers ---------------------------------------------------------------------------
 
     def _contents(self):
-        return {r: v4.read_slot(self.mgr.cache, s) for r, s in self.mgr.slots.items()}
+        """request -> `read_slot` of its slot, read once per cache the manager holds."""
+        if self._read[0] is not self.mgr.cache:
+            self._read = (self.mgr.cache, {r: v4.read_slot(self.mgr.cache, s)
+                                           for r, s in self.mgr.slots.items()})
+        return self._read[1]
 
     def _check_outputs(self, request, out, start, n):
         want = solo()[0][:, self.rows[request], start:start + n]
@@ -193,8 +198,12 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @invariant()
     def poison_what_nobody_owns(self):
-        """NaN in every row no live request owns: the next operations must not read it."""
+        """NaN in every row no live request owns: the next operations must not read it.
+        The poisoned cache keeps the requests' contents read before: the next rule's
+        `_check_untouched` holds the poisoning to them as well."""
+        contents = self._contents()
         self.mgr.cache = synthetic.poison_unowned(self.mgr.cache)
+        self._read = (self.mgr.cache, contents)
 
     @invariant()
     def pages_are_accounted_for(self):
