@@ -222,6 +222,67 @@ def test_eviction_never_frees_a_live_request_page():
     assert_same(outputs[others[2]], cold(eng, BASE[52:552], 40))
 
 
+def _snapshots_reach_kept_pages(eng) -> bool:
+    """Every device and host snapshot's chain is listed or on the host or disk tier."""
+    pc = eng.prefix_cache
+    return all(d in pc.index or pc.cold.tier_of(d) is not None
+               for tier in ("device", "host") for record in pc.snapshots.records(tier)
+               for d in record.chain)
+
+
+def test_clear_while_requests_run_lists_nothing_they_computed():
+    """A clear is a barrier: a request holding hit pages and one mid-prefill run on, fill
+    pages past it and finish, but list no page and take no snapshot; later requests with the
+    same prompt recompute it, list it again and hit it, all equal to cold runs."""
+    eng = engine(snapshot_every_pages=1)
+    eng.generate([BASE[:300]], 2)  # pages 0-1 listed, snapshots at 128 and 256
+    hit_prompt, new_prompt = BASE[:300] + [5], BASE[300:600]
+    a = eng.add_request(hit_prompt, 100)  # 2 pages hit; fills page 2 (at 384) decoding
+    b = eng.add_request(new_prompt, 40)  # no hit; 2 steps list its page 0
+    eng.step()
+    eng.step()
+    assert eng.status(a) == "decode" and eng.status(b) == "prefill"
+    assert len(eng.index) == 3 and eng.snapshots.count("device") == 3
+    held = [int(p) for p in np.asarray(eng.cache.pages.page_table)[eng.table.slot(a), :2]]
+    eng.clear_prefix_cache()
+    assert len(eng.index) == 0 and eng.snapshots.count("device") == 0
+    assert np.asarray(eng.cache.pages.refcount)[held].tolist() == [1, 1]  # a's own
+    outputs = {}
+    while eng.in_flight:
+        outputs.update((o.request_id, o) for o in eng.step())
+        assert len(eng.index) == 0, "a request running at the clear listed its pages"
+        assert eng.snapshots.count("device") == eng.snapshots.count("host") == 0
+    assert (np.asarray(eng.cache.pages.refcount) == 0).all()
+    assert int(eng.cache.pages.num_free) == GEOMETRY.num_pages
+    (again,) = eng.generate([new_prompt], 40)  # in a slot a or b held: lists again
+    assert restore(again) == (0, 0, "none", None) and again.tokens == outputs[b].tokens
+    assert len(eng.index) == 2 and eng.snapshots.count("device") == 2
+    assert _snapshots_reach_kept_pages(eng)
+    assert restore(outputs[a])[:3] == (256, 0, "snapshot")
+    assert_same(outputs[a], cold(eng, hit_prompt, 100))
+    assert_same(outputs[b], cold(eng, new_prompt, 40))
+    prompt = new_prompt[:280] + [3]
+    (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (256, 0, "snapshot", "device")
+    assert_same(hit, cold(eng, prompt))
+
+
+def test_eviction_drops_the_snapshots_of_pages_it_drops():
+    """With no host or disk tier an evicted page is gone, and so is every snapshot whose
+    chain holds it (it could never be restored: it would only hold memory)."""
+    eng = engine(snapshot_every_pages=1, device_snapshots=32, host_pages=0)
+    for i in range(4):  # 16 of 24 pages cached, 16 snapshots
+        eng.generate([BASE[i * 10:i * 10 + 520]], 1, cache_salt=f"fill-{i}")
+    assert eng.snapshots.count("device") == 16
+    dropped = eng.memory_report().stats["snapshots_dropped"]
+    outs = eng.generate([BASE[100:700], BASE[101:701]], 2)  # 10 pages: 2 evicted at least
+    report = eng.memory_report()
+    assert report.stats["pages_evicted"] >= 2
+    assert report.stats["snapshots_dropped"] > dropped
+    assert _snapshots_reach_kept_pages(eng)
+    assert_same(outs[0], cold(eng, BASE[100:700], 2))
+
+
 # --- the disk tier: restarts, bad files, other fingerprints ------------------------------
 
 

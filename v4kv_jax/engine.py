@@ -679,11 +679,21 @@ class Engine(ModelCache):
                 else None))
 
     def clear_prefix_cache(self, *, disk: bool = False) -> None:
-        """Drops every listed page (the index's references) and the device and host
-        snapshots (with `disk`, the snapshot files too). Pages live requests hold stay."""
+        """Drops every listed page (the index's references), the host tier's pages and the
+        device and host snapshots (with `disk`, the page and snapshot files too).
+
+        A clear is a barrier: requests running at the time keep their pages and State and
+        finish with the same tokens, but list no page and take no snapshot for the rest of
+        their life (not even of pages they fill later: those depend on their State from
+        before the clear), so no later request hits what they computed; their pages are
+        freed when they finish. Requests admitted after the clear list and snapshot as
+        usual (one with a running request's prompt recomputes it). Without `disk`, the files
+        already in `snapshot_dir` stay and can still be hit."""
         self._check_usable()
         for s in self.shards:
-            s.prefix_cache.clear(disk=disk)
+            s.prefix_cache.clear(disk=disk, running=[
+                r.slot for r in self._requests.values()
+                if r.slot is not None and r.shard == s.index])
 
     # --- admission --------------------------------------------------------------------------------
 
