@@ -616,3 +616,31 @@ def test_request_metrics_and_engine_metrics():
     assert stats["requests_finished"] == 5 and stats["tokens_generated"] == 2 + 12
     assert stats["mean_ttft"] > 0 and stats["mean_tpot"] > 0 and stats["mean_queue_time"] >= 0
     assert stats["cached_tokens"] == eng.memory_report().stats["cached_tokens"] == 256
+
+
+def test_small_requests_pass_a_blocked_large_one_for_max_head_wait_steps():
+    """Admission alone (`_admit_queued`, once per step), on a pool of 6 pages: a large
+    request waiting for pages lets small ones pass twice, then admission waits for it; it
+    runs as soon as the pages are free, before the small one queued behind it."""
+    geometry = v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=6)
+    eng = Engine(DECODER, geometry, prefill_chunk=CHUNK, max_head_wait=2)
+    a = eng.add_request(BASE[:400], 100)  # 4 pages at its full length
+    large = eng.add_request(BASE[1:300], 50)  # 3 pages: waits for a
+    waiting = lambda r: eng.status(r) == "waiting"  # noqa: E731
+    for step in range(2):
+        small = eng.add_request(BASE[:20], 5)  # 1 page: fits
+        eng._admit_queued()
+        assert not waiting(a) and waiting(large) and not waiting(small), step
+        eng.abort(small)
+    blocked = eng.add_request(BASE[:20], 5)
+    eng._admit_queued()  # the large one waited 2 steps: nothing passes it now
+    assert waiting(large) and waiting(blocked)
+    eng.abort(a)
+    eng._admit_queued()
+    assert not waiting(large) and not waiting(blocked)
+    strict = Engine(DECODER, geometry, prefill_chunk=CHUNK, max_head_wait=0)
+    ids = [strict.add_request(BASE[:400], 100), strict.add_request(BASE[1:300], 50),
+           strict.add_request(BASE[:20], 5)]
+    strict._admit_queued()
+    assert [strict.status(r) == "waiting" for r in ids] == [False, True, True]
+    assert engine().max_head_wait == 16

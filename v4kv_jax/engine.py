@@ -1,8 +1,12 @@
 """The token-aware engine: requests by token ids, continuous batching, prefix sharing.
 
 `Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
-prompt; each `step()` admits queued requests into free slots (FIFO, while the pool can hold
-each one's whole prompt and output), then runs ONE jitted program of fixed shapes:
+prompt with its options (`v4kv_jax.sampling.SamplingParams`: temperature, top_k, top_p,
+min_p, seed, eos_id, stop token ids and sequences); each `step()` admits queued requests
+into free slots, in order of arrival while the pool can hold each one's whole prompt and
+output, except that later requests that fit may pass one that does not for up to
+`max_head_wait` steps (then admission waits for it: no request starves), then runs ONE
+jitted program of fixed shapes:
 
   replay   state-only rows (`Decoder.replay`): rebuild a hit's State before its boundary
   prefill  chunk rows of `prefill_chunk` tokens, within `token_budget` tokens a step (replay
@@ -12,7 +16,10 @@ each one's whole prompt and output), then runs ONE jitted program of fixed shape
 
 Every phase has one row per slot (slot id -1 where a slot has nothing to do; a phase with no
 row is skipped by `lax.cond`), so every step and every prompt length runs the same compiled
-program. Finished requests come back from `step()` as `RequestOutput`s.
+program; the last rows draw each request's token with its own key and options
+(`sampling.sample`). Finished requests come back from `step()` as `RequestOutput`s, with
+their `RequestMetrics` (host times: queue time, time to first token, time per output token);
+`generate(..., stream=True)` yields every step's new tokens instead.
 
 Prefix sharing (`v4kv_jax.prefix_cache`): every full page is listed under the digest of its
 tokens' chain (namespaced by the engine's fingerprint: attention config, cache geometry, model
@@ -208,10 +215,10 @@ class Engine(ModelCache):
       seed: the sampling seed of requests without a `seed` of their own (each draws from
         this seed folded with its request id, whatever the batch).
       keep_logits: return each generated token's logits in its `RequestOutput`.
-      max_head_wait: admission is first come, first served, except that a request that does
-        not fit yet (too few free pages, or no free slot) lets later requests that fit pass
-        it for up to this many steps; from then on admission waits for it (so it runs as
-        soon as running requests free enough pages). 0: strictly in order.
+      max_head_wait: admission is first come, first served, except that the oldest queued
+        request, when the pool cannot hold it yet while a slot is free, lets later requests
+        that fit pass it for up to this many steps; from then on admission waits for it (it
+        runs as soon as running requests free enough pages). 0: strictly in order.
       options: how the ops run.
       mesh: a `v4kv_jax.mesh.data_mesh` to run data-parallel over (None: one device). Each
         of its devices holds a shard: a cache of `geometry` (so the engine runs
