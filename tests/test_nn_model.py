@@ -309,6 +309,10 @@ def test_demo_generation_step_prints_tokens_per_second(capsys):
     assert "2 prompts of [40, 7] tokens, 5 new tokens each" in out
     assert len([line for line in out.splitlines() if " -> [" in line]) == 2
     assert re.search(r"Generation: [\d,]+ tokens/s end to end \(10 new tokens", out)
+    # Step 1 prefills 32 of req0's 40 tokens (nothing to show) and draws req1's first token.
+    assert re.search(r"\n      step 1: req1 \+\[\d+\]\n", out)
+    assert re.search(r"\n      step 6: req0 \+\[\d+\] \(length\)\n", out)
+    assert "Streamed tokens equal the generated ones: yes" in out
 
 
 def test_shape_and_config_mismatches_name_the_argument(model):
