@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import re
 import subprocess
@@ -644,3 +645,16 @@ def test_small_requests_pass_a_blocked_large_one_for_max_head_wait_steps():
     strict._admit_queued()
     assert [strict.status(r) == "waiting" for r in ids] == [False, True, True]
     assert engine().max_head_wait == 16
+
+
+def test_readme_serving_options_block_runs_as_written(caplog):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("### Serving options\n", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
+    scope = {"model": DECODER, "geometry": GEOMETRY}
+    with caplog.at_level(logging.INFO, logger="v4kv_jax"):
+        exec(block, scope)  # noqa: S102 - the README's own code
+    outs, engine = scope["outs"], scope["engine"]
+    assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
+    assert engine.metrics()["requests_finished"] == 3
+    assert any(r.getMessage().startswith("compiling generator") for r in caplog.records)
