@@ -563,6 +563,9 @@ class Engine(ModelCache):
                 events = []
                 for r in list(sent):
                     out = finished.get(r)
+                    if out is None and r not in self._requests:  # aborted by the caller
+                        del sent[r]
+                        continue
                     tokens = out.tokens if out is not None else self._requests[r].generated
                     new = list(tokens[sent[r]:])
                     sent[r] = len(tokens)
