@@ -592,6 +592,12 @@ def test_streamed_tokens_concatenate_to_the_outputs():
     next(early)
     early.close()
     assert eng.in_flight == []
+    stream = eng.generate(prompts[1:], 5, stream=True)
+    (first,) = next(stream)  # prompts[1] (7 tokens) drew its first token
+    assert first.index == 0 and len(first.new_tokens) == 1
+    eng.abort(first.request_id)  # the caller aborts it mid-stream: it leaves the stream
+    rest = [e for events in stream for e in events]
+    assert {e.index for e in rest} == {1} and rest[-1].finished
 
 
 def test_request_metrics_and_engine_metrics():
