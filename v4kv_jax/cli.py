@@ -188,6 +188,18 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
          f"{int(lengths.sum())} prompt tokens in {full:.2f} s), {batch * new / short:,.0f} "
          f"tokens/s with 1-token prompts (decode alone); one compiled step program, "
          f"{first:.1f} s first call")
+    _say("Streaming (engine.generate(prompts, new, stream=True)): each step's new tokens, "
+         "as they come")
+    streamed = {i: [] for i in range(batch)}
+    for step, events in enumerate(engine.generate(prompts, new, stream=True), 1):
+        for e in events:
+            streamed[e.index] += e.new_tokens
+        if step <= 6 or any(e.finished for e in events):
+            _say(f"      step {step}: " + "  ".join(
+                f"req{e.index} +{e.new_tokens}" + (f" ({e.finish_reason})" if e.finished
+                                                   else "") for e in events))
+    same_stream = all(streamed[i] == o.tokens for i, o in enumerate(out))
+    _say(f"Streamed tokens equal the generated ones: {'yes' if same_stream else 'NO'}")
 
     shared = (len(prompts[0]) - 1) // P * P
     if not shared:
