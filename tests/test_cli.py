@@ -51,11 +51,71 @@ def test_memory_over_devices(capsys):
                      "--device-gib", "64"]) == 0
     out = capsys.readouterr().out
     # 3,514.25 MiB of pages + 5,057,544 B of State = 3,519.07 MiB a request: 18 in 64 GiB.
-    assert ("data parallel over 8 device(s) 18 per device, 144 in total; tensor parallel over "
-            "8 device(s) 18 in total") in out
+    assert ("data parallel over 8 devices 18 per device, 144 in total; tensor parallel over "
+            "8 devices 18 in total") in out
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--devices", "2",
                      "--device-gib", "3"]) == 0
     assert "0 per device, 0 in total" in capsys.readouterr().out
+
+
+def test_memory_at_one_token(capsys):
+    assert cli.main(["memory", "--tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    # One page of 128 tokens is held, but 1 token completes no C4 entry (4 tokens) and no
+    # C128 entry: all of the page is padding; the State does not depend on the context.
+    assert ("At 1 token: Classical 0.43 MiB in 1 page (all of it page padding: no compressed "
+            "entry is complete before 4 tokens), State 4.82 MiB (5,057,544 B) per request") in out
+    assert "Requests of 1 token in 64 GiB" in out and "over 1 device 12,477 per device" in out
+    assert " 1 tokens" not in out and "1 pages" not in out and "device(s)" not in out
+    assert cli.main(["memory", "--tokens", "4"]) == 0
+    # One C4 entry per CSA layer (21 x (584 + 68) B) in a page of 21 x 32 x 652 + 20 x 584 B.
+    assert "in 1 page (page padding 3185.31 %)" in capsys.readouterr().out
+
+
+def test_memory_says_when_no_request_fits(capsys):
+    assert cli.main(["memory", "--tokens", "1", "--device-gib", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "0 per device, 0 in total" in out
+    assert ("Not one request fits: each needs 5.25 MiB on the device, more than --device-gib "
+            "0.001") in out
+
+
+def _help(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 0
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal width
+
+
+def test_help_describes_every_command(capsys):
+    out = _help(capsys, ["--help"])
+    assert "v4kv demo prefill + decode a ragged batch" in out  # the module docstring
+    assert "demo prefill + decode a ragged batch on a small random model and check it" in out
+    assert "memory cache cost of a preset (flash, pro) at a context length" in out
+    assert "`v4kv <command> --help` lists the options of a command" in out
+
+
+@pytest.mark.parametrize("command", ["demo", "memory"])
+def test_help_of_a_command_gives_every_option_its_default(capsys, command):
+    out = _help(capsys, [command, "--help"])
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[command]._actions:
+        if action.dest == "help":
+            continue
+        text = " ".join(action.help.split())
+        assert f"{action.option_strings[0]} " in out and text in out, action.dest
+        after = out[out.index(text) + len(text):]
+        assert "(default: " in text or after.startswith(" (default: "), action.dest
+    if command == "demo":
+        assert "(default: 700 384 129 37)" in out and "(default: 24)" in out
+        assert "(default: 128)" in out and "(default: 64)" in out and "(default: 0)" in out
+        assert "(default: 32)" in out and "(default: 512)" in out
+        assert "(default: scanned)" in out and "(default: False)" not in out
+    else:
+        assert "(default: flash)" in out and "(default: 1048576)" in out
+        assert "(default: the preset's: release for flash and pro, float32 for tiny)" in out
+        assert "(default: 0)" in out and "(default: 1)" in out and "(default: 64.0)" in out
+        assert "(default: None)" not in out
 
 
 def test_ci_runs_the_readme_test_command():
@@ -90,6 +150,8 @@ def test_ci_runs_the_readme_test_command():
     (["memory", "--tokens", "-5"], "argument --tokens: expected an integer >= 1; got '-5'"),
     (["memory", "--tokens", "0"], "argument --tokens: expected an integer >= 1; got '0'"),
     (["memory", "--tokens", "1e6"], "argument --tokens: expected an integer >= 1; got '1e6'"),
+    (["memory", "--tokens", "1.5"], "argument --tokens: expected an integer >= 1; got '1.5'"),
+    (["memory", "--tokens", ""], "argument --tokens: expected an integer >= 1; got ''"),
     (["memory", "--hot-rows", "100"], "argument --hot-rows: expected 0 or at least the flash "
                                       "preset's index_topk=512; got 100"),
     (["memory", "--hot-rows", "-1"], "argument --hot-rows: expected an integer >= 0; got '-1'"),
@@ -120,6 +182,10 @@ def test_subcommands_called_directly_check_their_namespace():
         cli.demo(argparse.Namespace(**{k: v for k, v in good.items() if k != "vocab"}))
     with pytest.raises(ValueError, match=r"--tokens: expected an integer in \[1, inf\]; got -5"):
         cli.memory(argparse.Namespace(preset="flash", tokens=-5, formats="bfloat16"))
+    with pytest.raises(ValueError, match=r"--tokens: expected an integer in \[1, inf\]; got 0"):
+        cli.memory(argparse.Namespace(preset="flash", tokens=0))
+    with pytest.raises(TypeError, match=r"--tokens: expected an integer; got True"):
+        cli.memory(argparse.Namespace(preset="flash", tokens=True))
     with pytest.raises(ValueError, match=r"--formats: expected one of \('release', 'float32', "
                                          r"'bfloat16', 'float16'\); got 'fp8'"):
         cli.memory(argparse.Namespace(preset="flash", tokens=5, formats="fp8"))

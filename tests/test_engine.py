@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import re
 import subprocess
@@ -26,7 +27,6 @@ import v4kv_jax as v4
 from v4kv_jax import engine as engine_module
 from v4kv_jax import pools, prefix_cache
 from v4kv_jax.engine import Engine
-from v4kv_jax.manager import PoolExhaustedError
 from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.testing import synthetic
 
@@ -222,6 +222,67 @@ def test_eviction_never_frees_a_live_request_page():
     assert_same(outputs[others[2]], cold(eng, BASE[52:552], 40))
 
 
+def _snapshots_reach_kept_pages(eng) -> bool:
+    """Every device and host snapshot's chain is listed or on the host or disk tier."""
+    pc = eng.prefix_cache
+    return all(d in pc.index or pc.cold.tier_of(d) is not None
+               for tier in ("device", "host") for record in pc.snapshots.records(tier)
+               for d in record.chain)
+
+
+def test_clear_while_requests_run_lists_nothing_they_computed():
+    """A clear is a barrier: a request holding hit pages and one mid-prefill run on, fill
+    pages past it and finish, but list no page and take no snapshot; later requests with the
+    same prompt recompute it, list it again and hit it, all equal to cold runs."""
+    eng = engine(snapshot_every_pages=1)
+    eng.generate([BASE[:300]], 2)  # pages 0-1 listed, snapshots at 128 and 256
+    hit_prompt, new_prompt = BASE[:300] + [5], BASE[300:600]
+    a = eng.add_request(hit_prompt, 100)  # 2 pages hit; fills page 2 (at 384) decoding
+    b = eng.add_request(new_prompt, 40)  # no hit; 2 steps list its page 0
+    eng.step()
+    eng.step()
+    assert eng.status(a) == "decode" and eng.status(b) == "prefill"
+    assert len(eng.index) == 3 and eng.snapshots.count("device") == 3
+    held = [int(p) for p in np.asarray(eng.cache.pages.page_table)[eng.table.slot(a), :2]]
+    eng.clear_prefix_cache()
+    assert len(eng.index) == 0 and eng.snapshots.count("device") == 0
+    assert np.asarray(eng.cache.pages.refcount)[held].tolist() == [1, 1]  # a's own
+    outputs = {}
+    while eng.in_flight:
+        outputs.update((o.request_id, o) for o in eng.step())
+        assert len(eng.index) == 0, "a request running at the clear listed its pages"
+        assert eng.snapshots.count("device") == eng.snapshots.count("host") == 0
+    assert (np.asarray(eng.cache.pages.refcount) == 0).all()
+    assert int(eng.cache.pages.num_free) == GEOMETRY.num_pages
+    (again,) = eng.generate([new_prompt], 40)  # in a slot a or b held: lists again
+    assert restore(again) == (0, 0, "none", None) and again.tokens == outputs[b].tokens
+    assert len(eng.index) == 2 and eng.snapshots.count("device") == 2
+    assert _snapshots_reach_kept_pages(eng)
+    assert restore(outputs[a])[:3] == (256, 0, "snapshot")
+    assert_same(outputs[a], cold(eng, hit_prompt, 100))
+    assert_same(outputs[b], cold(eng, new_prompt, 40))
+    prompt = new_prompt[:280] + [3]
+    (hit,) = eng.generate([prompt], 4)
+    assert restore(hit) == (256, 0, "snapshot", "device")
+    assert_same(hit, cold(eng, prompt))
+
+
+def test_eviction_drops_the_snapshots_of_pages_it_drops():
+    """With no host or disk tier an evicted page is gone, and so is every snapshot whose
+    chain holds it (it could never be restored: it would only hold memory)."""
+    eng = engine(snapshot_every_pages=1, device_snapshots=32, host_pages=0)
+    for i in range(4):  # 16 of 24 pages cached, 16 snapshots
+        eng.generate([BASE[i * 10:i * 10 + 520]], 1, cache_salt=f"fill-{i}")
+    assert eng.snapshots.count("device") == 16
+    dropped = eng.memory_report().stats["snapshots_dropped"]
+    outs = eng.generate([BASE[100:700], BASE[101:701]], 2)  # 10 pages: 2 evicted at least
+    report = eng.memory_report()
+    assert report.stats["pages_evicted"] >= 2
+    assert report.stats["snapshots_dropped"] > dropped
+    assert _snapshots_reach_kept_pages(eng)
+    assert_same(outs[0], cold(eng, BASE[100:700], 2))
+
+
 # --- the disk tier: restarts, bad files, other fingerprints ------------------------------
 
 
@@ -392,9 +453,12 @@ def test_bad_input_raises_naming_the_argument(tmp_path):
         (dict(prompt_ids="abc"), TypeError, r"prompt_ids: expected a 1-D sequence"),
         (dict(prompt_ids=[1, 2.5]), TypeError, r"prompt_ids: expected integers; got \[1, 2.5\]"),
         (dict(prompt_ids=[[1, 2]]), ValueError, r"prompt_ids: expected a 1-D array"),
-        (dict(prompt_ids=[1, V]), ValueError, rf"prompt_ids: expected values <= {V - 1}; got "
-                                              rf"\[1, {V}\]"),
-        (dict(prompt_ids=[-1]), ValueError, r"prompt_ids: expected values >= 0"),
+        (dict(prompt_ids=[1, V]), ValueError, rf"prompt_ids: expected token ids in \[0, {V}\) "
+                                              rf"\(vocab_size\); got {V} at position 1"),
+        (dict(prompt_ids=[-1]), ValueError, r"prompt_ids: expected token ids in \[0, 40\) "
+                                            r"\(vocab_size\); got -1 at position 0"),
+        (dict(prompt_ids=[1] * 800), ValueError, r"prompt_ids: expected at most 768 tokens "
+                                                 r"\(max_seq_len\); got 800 tokens"),
         (dict(max_new_tokens=0), ValueError, r"max_new_tokens: expected an integer in \[1, "),
         (dict(max_new_tokens=2.0), TypeError, r"max_new_tokens: expected an integer; got 2.0"),
         (dict(max_new_tokens=800), ValueError, r"max_new_tokens: expected at most 766 for a "
@@ -402,7 +466,28 @@ def test_bad_input_raises_naming_the_argument(tmp_path):
                                                r"800"),
         (dict(temperature=-1.0), ValueError, r"temperature: expected a number in \[0.0, inf\]"),
         (dict(temperature="hot"), TypeError, r"temperature: expected a real number"),
-        (dict(eos_id=V), ValueError, rf"eos_id: expected an integer in \[0, {V - 1}\]; got {V}"),
+        (dict(eos_id=V), ValueError, rf"eos_id: expected a token id in \[0, {V}\) "
+                                     rf"\(vocab_size\); got {V}"),
+        (dict(eos_id=-1), ValueError, r"eos_id: expected an integer in \[0, inf\]; got -1"),
+        (dict(top_k=-1), ValueError, r"top_k: expected an integer in \[0, inf\]; got -1"),
+        (dict(top_k=1.5), TypeError, r"top_k: expected an integer; got 1.5"),
+        (dict(top_p=1.5), ValueError, r"top_p: expected a number in \(0.0, 1.0\]; got 1.5"),
+        (dict(top_p=0.0), ValueError, r"top_p: expected a number in \(0.0, 1.0\]; got 0.0"),
+        (dict(min_p=-0.1), ValueError, r"min_p: expected a number in \[0.0, 1.0\]; got -0.1"),
+        (dict(seed=-1), ValueError, r"seed: expected an integer in \[0, 4294967295\]; got -1"),
+        (dict(seed="s"), TypeError, r"seed: expected an integer; got 's'"),
+        (dict(stop_token_ids=[1, V]), ValueError, rf"stop_token_ids\[1\]: expected a token id "
+                                                  rf"in \[0, {V}\) \(vocab_size\); got {V}"),
+        (dict(stop_token_ids=3), TypeError, r"stop_token_ids: expected a sequence of token ids; "
+                                            r"got 3"),
+        (dict(stop_token_ids=[1.0]), TypeError, r"stop_token_ids: expected integer token ids; "
+                                                r"got 1.0 at position 0"),
+        (dict(stop=[[1, 2], []]), ValueError, r"stop\[1\]: expected at least one token id; got "
+                                              r"an empty sequence"),
+        (dict(stop=[1, 2]), TypeError, r"stop\[0\]: expected a sequence of token ids; got 1"),
+        (dict(stop=[[1, -2]]), ValueError, r"stop\[0\]: expected token ids >= 0; got -2 at "
+                                           r"position 1"),
+        (dict(stop=[[V]]), ValueError, rf"stop\[0\]\[0\]: expected a token id in \[0, {V}\)"),
         (dict(cache_salt=3), TypeError, r"cache_salt: expected None, a str or bytes; got int"),
     ]
     for change, error, message in cases:
@@ -419,13 +504,24 @@ def test_bad_input_raises_naming_the_argument(tmp_path):
         eng.generate("abc", 2)
     with pytest.raises(ValueError, match=r"prompts: expected at least one prompt"):
         eng.generate([], 2)
-    with pytest.raises(ValueError, match=r"prompt_ids: expected values <= 39"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected token ids in \[0, 40\) "
+                                         r"\(vocab_size\); got 99 at position 0"):
         eng.generate([[1], [99]], 2)
+    with pytest.raises(ValueError, match=r"prompts\[3\]: expected at most 768 tokens"):
+        eng.generate([[1], [2], [3], [4] * 769], 1)
+    with pytest.raises(TypeError, match=r"stream: expected a bool; got 1"):
+        eng.generate([[1]], 2, stream=1)
     assert eng.in_flight == []  # all or nothing
     small = Engine(DECODER, v4.CacheConfig(num_pages=2, max_slots=1, max_pages_per_seq=6),
                    prefill_chunk=CHUNK)
-    with pytest.raises(PoolExhaustedError, match=r"request 0 needs 3 page\(s\)"):
+    with pytest.raises(ValueError, match=r"prompt_ids, max_new_tokens: the pool is too small "
+                                         r"for this request: its 300 prompt tokens and 1 new "
+                                         r"token\(s\) need 3 pages of 128 tokens, the whole "
+                                         r"pool has num_pages=2"):
         small.add_request(BASE[:300], 1)
+    with pytest.raises(ValueError, match=r"prompts\[0\], max_new_tokens: the pool is too "
+                                         r"small"):
+        small.generate([BASE[:300]], 1)
 
     def build(**kwargs):
         Engine(kwargs.pop("model", DECODER), kwargs.pop("geometry", GEOMETRY), **kwargs)
@@ -449,6 +545,8 @@ def test_bad_input_raises_naming_the_argument(tmp_path):
         (dict(snapshot_dir=__file__), ValueError, r"snapshot_dir: expected a directory"),
         (dict(keep_logits=1), TypeError, r"keep_logits: expected a bool; got 1"),
         (dict(seed="s"), TypeError, r"seed: expected an integer"),
+        (dict(max_head_wait=-1), ValueError, r"max_head_wait: expected an integer in \[0, "),
+        (dict(max_head_wait=None), TypeError, r"max_head_wait: expected an integer; got None"),
         (dict(options="fast"), TypeError, r"options: expected a v4kv_jax Options; got str"),
     ]:
         with pytest.raises(error, match=message):
@@ -480,3 +578,150 @@ def test_a_request_the_pool_cannot_hold_yet_waits():
     assert eng.status(b) == "waiting" and int(eng.cache.pages.num_free) == 6
     eng.abort(a)
     assert eng._admit(eng._requests[b])
+
+
+# --- serving options: sampling, stops, streaming, metrics, admission ----------------------
+
+
+SAMPLED = dict(temperature=1.0, top_k=8, top_p=0.9, min_p=0.05, seed=1234)
+
+
+def _run(eng: Engine, ids: list[int]) -> dict[int, v4.RequestOutput]:
+    outs = {}
+    while any(r in eng.in_flight for r in ids):
+        outs.update((o.request_id, o) for o in eng.step())
+    return outs
+
+
+def test_a_seed_gives_the_same_tokens_alone_in_a_batch_and_after_others():
+    eng = engine(keep_logits=False)
+    prompt = BASE[:70]
+    (alone,) = eng.generate([prompt], 6, **SAMPLED)
+    ids = [eng.add_request(BASE[5:40], 6, temperature=0.8),
+           eng.add_request(prompt, 6, **SAMPLED),
+           eng.add_request(BASE[:130], 6, top_k=3),
+           eng.add_request(prompt, 6, **SAMPLED)]  # four requests, three slots
+    outs = _run(eng, ids)
+    assert outs[ids[1]].tokens == outs[ids[3]].tokens == alone.tokens
+    (later,) = eng.generate([prompt], 6, **SAMPLED)  # another request id, other work before
+    assert later.tokens == alone.tokens and later.request_id != alone.request_id
+    (other,) = eng.generate([prompt], 6, **dict(SAMPLED, seed=99))
+    assert other.tokens != alone.tokens
+    assert all(0 <= t < CONFIG.vocab_size for t in alone.tokens + other.tokens)
+    (greedy,) = eng.generate([prompt], 6, top_k=1, temperature=1.0, seed=5)  # top_k=1: argmax
+    assert greedy.tokens == cold(eng, prompt, 6).tokens
+
+
+def test_stop_token_ids_and_stop_sequences_across_steps():
+    eng = engine(keep_logits=False)
+    prompt = BASE[:90]
+    free = cold(eng, prompt, 12).tokens
+    (out,) = eng.generate([prompt], 12, stop_token_ids=[free[4], 39 - free[4]])
+    end = free.index(free[4]) + 1
+    assert out.tokens == free[:end] and out.finish_reason == "stop"
+    pair = free[5:7]  # drawn in two steps
+    (out,) = eng.generate([prompt], 12, stop=[[99 % 40, 98 % 40, 97 % 40], pair])
+    end = next(i + 2 for i in range(len(free) - 1) if free[i:i + 2] == pair)
+    assert out.tokens == free[:end] and out.finish_reason == "stop"
+    (out,) = eng.generate([prompt], 12, eos_id=free[2], stop_token_ids=[free[2]])
+    assert out.finish_reason == "eos" and out.tokens[-1] == free[2]
+    (out,) = eng.generate([prompt], 3, stop=[free[:12] + [0]])  # never completed
+    assert out.tokens == free[:3] and out.finish_reason == "length"
+
+
+def test_streamed_tokens_concatenate_to_the_outputs():
+    eng = engine(keep_logits=False)
+    prompts = [BASE[:150], BASE[3:10], BASE[20:90]]
+    other = eng.add_request(BASE[:30], 3)  # in flight before: its output stays for step()
+    stream = eng.generate(prompts, 5, stop_token_ids=[7], stream=True)
+    got, finals, steps = {0: [], 1: [], 2: []}, {}, 0
+    for events in stream:
+        steps += 1
+        for e in events:
+            assert e.request_id in eng.in_flight or e.finished
+            got[e.index] += e.new_tokens
+            if e.finished:
+                finals[e.index] = e.output
+                assert e.finish_reason == e.output.finish_reason
+    assert steps >= 5 and sorted(finals) == [0, 1, 2]
+    for i, prompt in enumerate(prompts):
+        assert got[i] == finals[i].tokens and finals[i].prompt_ids == prompt
+        (want,) = eng.generate([prompt], 5, stop_token_ids=[7])
+        assert want.tokens == got[i]
+    assert [o.request_id for o in eng.step()] == [other]
+    early = eng.generate(prompts, 5, stream=True)  # closed early: its requests leave
+    next(early)
+    early.close()
+    assert eng.in_flight == []
+    stream = eng.generate(prompts[1:], 5, stream=True)
+    (first,) = next(stream)  # prompts[1] (7 tokens) drew its first token
+    assert first.index == 0 and len(first.new_tokens) == 1
+    eng.abort(first.request_id)  # the caller aborts it mid-stream: it leaves the stream
+    rest = [e for events in stream for e in events]
+    assert {e.index for e in rest} == {1} and rest[-1].finished
+
+
+def test_request_metrics_and_engine_metrics():
+    eng = engine(keep_logits=False)
+    eng.generate([BASE[:300]], 2)  # pages to hit
+    outs = eng.generate([BASE[:290] + [1], BASE[:5], BASE[40:100]], 4)
+    aborted = eng.abort(eng.add_request(BASE[:20], 3))
+    for out in outs + [aborted]:
+        m = out.metrics
+        assert m.generated_tokens == len(out.tokens)
+        assert m.prompt_tokens == len(out.prompt_ids) == m.cached_tokens + m.recomputed_tokens
+        assert (m.cached_tokens, m.replayed_tokens) == (out.cached_tokens, out.replayed_tokens)
+        assert m.replayed_tokens <= m.cached_tokens
+        assert m.finish_time >= m.arrival_time and m.queue_time >= 0
+    for out in outs:
+        m = out.metrics
+        assert m.ttft >= m.queue_time >= 0 and m.tpot > 0 and m.tokens_per_second > 0
+        assert m.arrival_time + m.ttft <= m.finish_time
+    assert outs[0].metrics.cached_tokens == 256
+    assert aborted.metrics.ttft is None and aborted.metrics.tpot is None
+    assert aborted.metrics.tokens_per_second == 0.0
+    stats = eng.metrics()
+    assert stats["requests_finished"] == 5 and stats["tokens_generated"] == 2 + 12
+    assert stats["mean_ttft"] > 0 and stats["mean_tpot"] > 0 and stats["mean_queue_time"] >= 0
+    assert stats["cached_tokens"] == eng.memory_report().stats["cached_tokens"] == 256
+
+
+def test_small_requests_pass_a_blocked_large_one_for_max_head_wait_steps():
+    """Admission alone (`_admit_queued`, once per step), on a pool of 6 pages: a large
+    request waiting for pages lets small ones pass twice, then admission waits for it; it
+    runs as soon as the pages are free, before the small one queued behind it."""
+    geometry = v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=6)
+    eng = Engine(DECODER, geometry, prefill_chunk=CHUNK, max_head_wait=2)
+    a = eng.add_request(BASE[:400], 100)  # 4 pages at its full length
+    large = eng.add_request(BASE[1:300], 50)  # 3 pages: waits for a
+    waiting = lambda r: eng.status(r) == "waiting"  # noqa: E731
+    for step in range(2):
+        small = eng.add_request(BASE[:20], 5)  # 1 page: fits
+        eng._admit_queued()
+        assert not waiting(a) and waiting(large) and not waiting(small), step
+        eng.abort(small)
+    blocked = eng.add_request(BASE[:20], 5)
+    eng._admit_queued()  # the large one waited 2 steps: nothing passes it now
+    assert waiting(large) and waiting(blocked)
+    eng.abort(a)
+    eng._admit_queued()
+    assert not waiting(large) and not waiting(blocked)
+    strict = Engine(DECODER, geometry, prefill_chunk=CHUNK, max_head_wait=0)
+    ids = [strict.add_request(BASE[:400], 100), strict.add_request(BASE[1:300], 50),
+           strict.add_request(BASE[:20], 5)]
+    strict._admit_queued()
+    assert [strict.status(r) == "waiting" for r in ids] == [False, True, True]
+    assert engine().max_head_wait == 16
+
+
+def test_readme_serving_options_block_runs_as_written(caplog):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme.split("### Serving options\n", 1)[1].split("\n### ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
+    scope = {"model": DECODER, "geometry": GEOMETRY}
+    with caplog.at_level(logging.INFO, logger="v4kv_jax"):
+        exec(block, scope)  # noqa: S102 - the README's own code
+    outs, engine = scope["outs"], scope["engine"]
+    assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
+    assert engine.metrics()["requests_finished"] == 3
+    assert any(r.getMessage().startswith("compiling generator") for r in caplog.records)

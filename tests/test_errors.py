@@ -255,7 +255,13 @@ def test_generator_checks_its_settings_and_prompts(decoder):
         (dict(temperature=float("nan")), ValueError, r"temperature: expected a finite number"),
         (dict(temperature="hot"), TypeError, r"temperature: expected a real number; got 'hot'"),
         (dict(seed=1.5), TypeError, r"seed: expected an integer; got 1.5"),
-        (dict(eos_id=VOCAB), ValueError, r"eos_id: expected an integer in \[0, 39\]; got 40"),
+        (dict(eos_id=VOCAB), ValueError, r"eos_id: expected a token id in \[0, 40\) "
+                                         r"\(vocab_size\); got 40"),
+        (dict(top_p=1.5), ValueError, r"top_p: expected a number in \(0.0, 1.0\]; got 1.5"),
+        (dict(max_new_tokens=3), ValueError, r"max_new_tokens: expected an integer in \[1, 2\]; "
+                                             r"got 3"),
+        (dict(eos_id=1, stop_token_ids=list(range(16))), ValueError, r"stop_token_ids: expected "
+                                                                    r"at most 16 ids with eos_id"),
     ]
     for kwargs, error, message in cases:
         with pytest.raises(error, match=message):
@@ -264,8 +270,12 @@ def test_generator_checks_its_settings_and_prompts(decoder):
         gen.generate([[1.5, 2.0]])
     with pytest.raises(TypeError, match=r"prompts\[1\]: expected an array of integer dtype"):
         gen.generate([[1], np.asarray([2.0])])
-    with pytest.raises(ValueError, match=r"prompts\[0\]: expected values >= 0; got \[-1\]"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected token ids in \[0, 40\) "
+                                         r"\(vocab_size\); got -1 at position 0"):
         gen.generate([[-1]])
+    with pytest.raises(ValueError, match=r"prompts\[1\]: expected token ids in \[0, 40\) "
+                                         r"\(vocab_size\); got 40 at position 2"):
+        gen.generate([[1], [2, 3, 40]])
     with pytest.raises(TypeError, match=r"prompts: expected a sequence of token-id sequences"):
         gen.generate("hello")
     with pytest.raises(ValueError, match=r"max_new_tokens: expected an integer in \[1, inf\]"):

@@ -170,10 +170,14 @@ def test_bad_requests_are_clear_errors(model, generator):
         generator.generate(_prompts([3, 91]))
     with pytest.raises(ValueError, match=r"prompts: expected 1 to 3 prompts .*got 4"):
         generator.generate(_prompts([3, 3, 3, 3]))
-    with pytest.raises(ValueError, match=r"prompts\[0\]: expected values <= 47; got \[1, 48\]"):
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected token ids in \[0, 48\) "
+                                         r"\(vocab_size\); got 48 at position 1"):
         generator.generate([[1, 48]])
-    with pytest.raises(ValueError, match="exceeds the cache's max_seq_len=256"):
-        Generator(model, GEOMETRY, max_prompt_len=250, max_new_tokens=7)
+    with pytest.raises(ValueError, match=r"max_new_tokens: expected at most 7 for "
+                                         r"max_prompt_len=250 \(max_prompt_len \+ max_new_tokens "
+                                         r"- 1 <= max_seq_len=256\); got 8"):
+        Generator(model, GEOMETRY, max_prompt_len=250, max_new_tokens=8)
+    Generator(model, GEOMETRY, max_prompt_len=250, max_new_tokens=7)  # the Engine's rule
 
 
 def test_pool_exhaustion_is_reported(model):
@@ -305,6 +309,10 @@ def test_demo_generation_step_prints_tokens_per_second(capsys):
     assert "2 prompts of [40, 7] tokens, 5 new tokens each" in out
     assert len([line for line in out.splitlines() if " -> [" in line]) == 2
     assert re.search(r"Generation: [\d,]+ tokens/s end to end \(10 new tokens", out)
+    # Step 1 prefills 32 of req0's 40 tokens (nothing to show) and draws req1's first token.
+    assert re.search(r"\n      step 1: req1 \+\[\d+\]\n", out)
+    assert re.search(r"\n      step 6: req0 \+\[\d+\] \(length\)\n", out)
+    assert "Streamed tokens equal the generated ones: yes" in out
 
 
 def test_shape_and_config_mismatches_name_the_argument(model):
@@ -322,3 +330,22 @@ def test_shape_and_config_mismatches_name_the_argument(model):
     with pytest.raises(ValueError, match=r"x has shape \(1, 2, 7\); expected \[B, T, "
                                          r"hidden_size=64\]"):
         layer.vectors(jnp.zeros((1, 2, 7)), jnp.zeros((1, 2), jnp.int32))
+
+
+def test_stops_lengths_and_completions(generator):
+    prompts = _prompts([20, 40, 7], seed=6)
+    free = generator.generate(prompts)
+    rows = free.as_lists()
+    assert [c.tokens for c in free] == rows and free.finish_reasons == ["length"] * 3
+    assert [c.prompt_ids for c in free] == prompts
+    out = generator.generate(prompts, stop_token_ids=[rows[0][2]], stop=[rows[1][1:3]])
+    assert out[0].tokens == rows[0][:rows[0].index(rows[0][2]) + 1]
+    assert out[0].finish_reason == "stop"
+    assert out[1].tokens == rows[1][:3] and out[1].finish_reason == "stop"  # cut on the host
+    assert out.lengths[1] == 3 and (out.tokens[1, 3:] == -1).all()
+    short = generator.generate(prompts, 2)
+    assert short.as_lists() == [r[:2] for r in rows] and short.finish_reasons == ["length"] * 3
+    a = generator.generate(prompts[:1], temperature=1.0, top_k=5, top_p=0.9, seed=8)
+    b = generator.generate([prompts[2], prompts[0]], temperature=1.0, top_k=5, top_p=0.9,
+                           seed=8)
+    assert a[0].tokens == b[1].tokens  # a seed: the same row whatever the batch

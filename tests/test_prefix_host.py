@@ -156,6 +156,22 @@ def test_tiers_demote_by_lru_and_files_round_trip(tmp_path):
         bytes.fromhex(n.split(".")[0]) for n in names)
 
 
+def test_drop_where_drops_device_and_host_snapshots_and_counts_them(tmp_path):
+    store = _store(tmp_path, _chain_on_disk, device_snapshots=2, host_snapshots=2)
+    records = [_record(t) for t in range(1, 5)]
+    for r in records:
+        store.put(r, _snapshot(r.chain[0][0]))
+    assert store.records("host") == records[:2] and store.records("device") == records[2:]
+    gone = {records[1].chain[0], records[2].chain[1]}  # one page of a host and a device chain
+    assert store.drop_where(lambda r: bool(gone & set(r.chain))) == 2
+    assert store.records("host") == [records[0]] and store.records("device") == [records[3]]
+    assert store.dropped == 2 and store.nbytes("host") == store.nbytes("device") > 0
+    assert store.drop_where(lambda r: False) == 0
+    with pytest.raises(ValueError, match=r"tier: expected one of \('device', 'host'\); got "
+                                         r"'disk'"):
+        store.records("disk")
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty", "other_key"])
 def test_a_bad_file_is_reported_deleted_and_never_used(tmp_path, damage):
     store = _store(tmp_path, _chain_on_disk, device_snapshots=0, host_snapshots=0)

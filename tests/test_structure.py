@@ -21,8 +21,8 @@ PACKAGE = ROOT / "v4kv_jax"
 # Lowest first: a module may import only modules before it (and the package's own children).
 ORDER = ["checks", "config", "programs", "layout", "storage", "vectors", "rope", "paging", "pools",
          "mesh", "hot", "compressor", "indexer", "attention", "ops", "append", "step",
-         "prefix_disk", "page_tiers", "prefix", "prefix_cache", "manager", "nn", "request",
-         "engine", "interop", "testing", "cli"]
+         "prefix_disk", "page_tiers", "prefix", "prefix_cache", "manager", "sampling", "request",
+         "nn", "engine", "interop", "testing", "cli"]
 
 
 def _unit(path: pathlib.Path) -> str:

@@ -3,7 +3,16 @@
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
 from v4kv_jax.attention import output_projection
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
-from v4kv_jax.engine import Engine, EngineError, EngineReport, RequestOutput
+from v4kv_jax.engine import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineReport,
+    RequestMetrics,
+    RequestOutput,
+    StreamOutput,
+)
+from v4kv_jax.nn.generate import GenerationResult, Generator
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
@@ -24,6 +33,7 @@ from v4kv_jax.pools import (
     restore_state,
     snapshot_state,
 )
+from v4kv_jax.sampling import SamplingParams
 from v4kv_jax.step import (
     append_and_attend,
     decode_attention,
@@ -45,11 +55,12 @@ from v4kv_jax.vectors import (
 )
 
 __all__ = [
-    "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "CompressorInput", "CompressorParams",
-    "CompressorWeights", "Engine", "EngineError", "EngineReport", "LayerKind", "LayerParams",
-    "LayerRef",
-    "LayerVectors", "MemoryReport", "Options", "Queries", "RequestOutput", "SlotStatus",
-    "StateSnapshot", "TokenVectors", "append_and_attend", "attach_prefix", "begin_append",
+    "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "Completion", "CompressorInput",
+    "CompressorParams", "CompressorWeights", "Engine", "EngineError", "EngineReport",
+    "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerRef", "LayerVectors",
+    "MemoryReport", "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams",
+    "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "append_and_attend",
+    "attach_prefix", "begin_append",
     "clear_flags", "decode_attention", "decode_step", "drop_pages", "end_append", "flash",
     "hold_pages", "init_cache", "inspect_slots", "layer_step", "layers_step", "load_pages",
     "memory_report", "output_projection", "prefill", "pro", "read_pages", "read_slot",

@@ -188,6 +188,18 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
          f"{int(lengths.sum())} prompt tokens in {full:.2f} s), {batch * new / short:,.0f} "
          f"tokens/s with 1-token prompts (decode alone); one compiled step program, "
          f"{first:.1f} s first call")
+    _say("Streaming (engine.generate(prompts, new, stream=True)): each step's new tokens, "
+         "as they come")
+    streamed = {i: [] for i in range(batch)}
+    for step, events in enumerate(engine.generate(prompts, new, stream=True), 1):
+        for e in events:
+            streamed[e.index] += e.new_tokens
+        if step <= 6 or any(e.finished for e in events):
+            _say(f"      step {step}: " + "  ".join(
+                f"req{e.index} +{e.new_tokens}" + (f" ({e.finish_reason})" if e.finished
+                                                   else "") for e in events))
+    same_stream = all(streamed[i] == o.tokens for i, o in enumerate(out))
+    _say(f"Streamed tokens equal the generated ones: {'yes' if same_stream else 'NO'}")
 
     shared = (len(prompts[0]) - 1) // P * P
     if not shared:
@@ -219,6 +231,11 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
     return ok
 
 
+def _count(n: int, noun: str) -> str:
+    """`1 token`, `2 tokens`, `1,024 tokens`."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def memory(args) -> int:
     _check_namespace(args, ("tokens",))
     checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
@@ -244,7 +261,12 @@ def memory(args) -> int:
     needed = sum(len(model.layers_of(spec.kind)) * storage.codec(model, geometry, spec.name)
                  .row_bytes * (args.tokens // spec.ratio) for spec in compressor_specs(model)
                  if model.layers_of(spec.kind))
-    padding = f"{100 * (classical / needed - 1):.2f} %" if needed else "-"
+    if needed:
+        padding = f"page padding {100 * (classical / needed - 1):.2f} %"
+    else:
+        first = min(spec.ratio for spec in compressor_specs(model) if model.layers_of(spec.kind))
+        padding = (f"all of it page padding: no compressed entry is complete before {first} "
+                   "tokens")
     dense = args.tokens * pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)
     rows = {name: storage.codec(model, geometry, name) for name in ("csa", "csa_index", "window")}
     tails = (f"{geometry.tail_dtype} tails, HCA tail "
@@ -255,26 +277,30 @@ def memory(args) -> int:
          f"{geometry.index_dtype} ({rows['csa_index'].row_bytes} B), window "
          f"{geometry.window_dtype} ({rows['window'].row_bytes} B), {tails}")
     _say("Classical bytes/token: " + ", ".join(f"{k} {v:.2f} B" for k, v in per_token.items()))
-    _say(f"At {args.tokens:,} tokens: Classical {_mib(classical)} in {pages:,} pages "
-         f"(page padding {padding}), State {_mib(state)} ({state:,} B) per request, dense "
-         f"per-token cache {_mib(dense)}")
+    _say(f"At {_count(args.tokens, 'token')}: Classical {_mib(classical)} in "
+         f"{_count(pages, 'page')} ({padding}), State {_mib(state)} ({state:,} B) per "
+         f"request, dense per-token cache {_mib(dense)}")
     if hot_rows:
         device = pools.device_bytes_per_token(model, geometry)
         host = per_token["total"] - device
         device_request = pages * pools.page_bytes(model, geometry) * device / per_token["total"]
         _say(f"HiSparse (C4 entries on the host, {hot_rows} hot rows per CSA layer and "
              f"request): device Classical {device:.2f} B/token, host {host:.2f} B/token; at "
-             f"{args.tokens:,} tokens per request: device {_mib(device_request + state)} "
+             f"{_count(args.tokens, 'token')} per request: device {_mib(device_request + state)} "
              f"(Classical {_mib(device_request)} + State with hot sets {_mib(state)}), host "
              f"{_mib(classical - device_request)}")
     else:
         device_request = classical
     per_device = int(budget // (device_request + state))
-    _say(f"Requests of {args.tokens:,} tokens in {budget / 2**30:g} GiB of cache per device "
-         f"({_mib(device_request + state)} each on the device): data parallel over {devices} "
-         f"device(s) {per_device:,} per device, {devices * per_device:,} in total; tensor "
-         f"parallel over {devices} device(s) {per_device:,} in total (the one MQA latent and "
-         f"its indexer keys are replicated on every device, so each holds every request)")
+    over = _count(devices, "device")
+    _say(f"Requests of {_count(args.tokens, 'token')} in {budget / 2**30:g} GiB of cache per "
+         f"device ({_mib(device_request + state)} each on the device): data parallel over "
+         f"{over} {per_device:,} per device, {devices * per_device:,} in total; tensor "
+         f"parallel over {over} {per_device:,} in total (the one MQA latent and its indexer "
+         f"keys are replicated on every device, so each holds every request)")
+    if not per_device:
+        _say(f"Not one request fits: each needs {_mib(device_request + state)} on the device, "
+             f"more than --device-gib {budget / 2**30:g}")
     return 0
 
 
@@ -348,41 +374,86 @@ def _demo_problem(args) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="v4kv", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default. An option whose help already states its
+    default, or whose default is None or False (a flag, or a default that depends on another
+    option), is left as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "(default:" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+class _TopHelpFormatter(_HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`v4kv --help`: the module docstring, line breaks kept, describes the commands."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="v4kv", description=__doc__, formatter_class=_TopHelpFormatter,
+        epilog="`v4kv <command> --help` lists the options of a command, with their defaults.")
+    sub = parser.add_subparsers(dest="command", required=True, title="commands",
+                                metavar="<command>")
     option = {name: _int_option(*bounds) for name, bounds in BOUNDS.items()}
-    p = sub.add_parser("demo", help="prefill + decode a ragged batch and check it")
+    p = sub.add_parser(
+        "demo", formatter_class=_HelpFormatter,
+        help="prefill + decode a ragged batch on a small random model and check it against "
+             "a brute-force oracle; then generate with the Engine and hit a shared prefix",
+        description="Prefills and decodes a ragged batch of requests on a small random model "
+                    "with all three layer kinds (SWA, CSA, HCA), prints occupancy, the memory "
+                    "report against a dense cache, tokens/s and the largest deviation from the "
+                    "brute-force oracle; then generates tokens with a Flax decoder of the same "
+                    "attention geometry served by the Engine, and checks that a prompt "
+                    "sharing a prefix hits its pages and equals a cold run. Exit status 0 when "
+                    "both checks pass, 1 otherwise.")
     p.add_argument("--lengths", type=option["lengths"], nargs="+", default=[700, 384, 129, 37],
-                   help="prompt lengths of the requests")
-    p.add_argument("--decode-steps", type=option["decode_steps"], default=24,
+                   metavar="N", help="prompt lengths of the requests, one per request "
+                                     "(default: 700 384 129 37)")
+    p.add_argument("--decode-steps", type=option["decode_steps"], default=24, metavar="N",
                    help="decode steps after the prefill (0: prefill only)")
-    p.add_argument("--chunk", type=option["chunk"], default=128,
+    p.add_argument("--chunk", type=option["chunk"], default=128, metavar="TOKENS",
                    help="prefill chunk (tokens per call)")
-    p.add_argument("--pages", type=option["pages"], default=64,
-                   help="pages in the Classical pool")
-    p.add_argument("--seed", type=option["seed"], default=0)
-    p.add_argument("--new-tokens", type=option["new_tokens"], default=32,
-                   help="tokens generated per prompt")
-    p.add_argument("--vocab", type=option["vocab"], default=512,
+    p.add_argument("--pages", type=option["pages"], default=64, metavar="N",
+                   help="pages in the Classical pool (of 128 tokens each)")
+    p.add_argument("--seed", type=option["seed"], default=0, metavar="N",
+                   help="seed of the random weights, vectors and prompts")
+    p.add_argument("--new-tokens", type=option["new_tokens"], default=32, metavar="N",
+                   help="tokens generated per prompt by the Engine")
+    p.add_argument("--vocab", type=option["vocab"], default=512, metavar="N",
                    help="vocabulary of the Flax decoder")
     p.add_argument("--unroll", action="store_true",
-                   help="unroll the decoder's layers instead of scanning over layer groups")
+                   help="unroll the decoder's layers instead of scanning over layer groups "
+                        "(default: scanned)")
     p.set_defaults(run=demo, problem=_demo_problem, parser=p)
-    p = sub.add_parser("memory", help="cache cost of a preset at a context length")
-    p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash")
-    p.add_argument("--tokens", type=option["tokens"], default=1 << 20)
+    p = sub.add_parser(
+        "memory", formatter_class=_HelpFormatter,
+        help="cache cost of a preset (flash, pro) at a context length, from the geometry alone",
+        description="The cache cost of a preset at a given context, computed from the geometry "
+                    "alone (nothing is allocated): Classical bytes per token and for the "
+                    "context, page padding, the State of a request, a dense cache for "
+                    "comparison, and how many such requests fit per device.")
+    p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash",
+                   help="the model's attention geometry")
+    p.add_argument("--tokens", type=option["tokens"], default=1 << 20, metavar="N",
+                   help="context length of a request, in tokens")
     p.add_argument("--formats", choices=tuple(cfg.FORMAT_SETS), default=None,
-                   help="storage formats (default: the preset's, release for flash and pro)")
-    p.add_argument("--hot-rows", type=option["hot_rows"], default=0,
+                   help="storage formats (default: the preset's: release for flash and pro, "
+                        "float32 for tiny)")
+    p.add_argument("--hot-rows", type=option["hot_rows"], default=0, metavar="N",
                    help="HiSparse: keep the C4 entries on the host and this many device rows "
                         "per CSA layer and request (0: everything on the device)")
-    p.add_argument("--devices", type=option["devices"], default=1,
+    p.add_argument("--devices", type=option["devices"], default=1, metavar="N",
                    help="devices of a data-parallel mesh (each holds its own requests)")
-    p.add_argument("--device-gib", type=_gib, default=64.0,
+    p.add_argument("--device-gib", type=_gib, default=64.0, metavar="GIB",
                    help="memory per device left for the cache after weights and activations")
     p.set_defaults(run=memory, problem=_memory_problem, parser=p)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     problem = args.problem(args)
     if problem:
         args.parser.error(f"argument {problem}")

@@ -14,11 +14,17 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from v4kv_jax import checks
 
 SUPERBLOCK_TOKENS = 128  # lcm(4, 128): pages are aligned to this in every layer kind.
+
+
+# The AttentionConfig fields that are sizes or counts: integers >= 1 (never a bool or float).
+_POSITIVE_INTS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
+                  "o_lora_rank", "window", "csa_ratio", "hca_ratio", "index_heads",
+                  "index_head_dim", "index_topk", "yarn_original_max_position")
 
 
 class LayerKind(enum.IntEnum):
@@ -76,47 +82,38 @@ class AttentionConfig:
     rms_eps: float = 1e-6
 
     def __post_init__(self):
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
-        positive = {
-            "hidden_size": self.hidden_size,
-            "num_heads": self.num_heads,
-            "head_dim": self.head_dim,
-            "rope_dim": self.rope_dim,
-            "q_lora_rank": self.q_lora_rank,
-            "o_groups": self.o_groups,
-            "o_lora_rank": self.o_lora_rank,
-            "window": self.window,
-            "csa_ratio": self.csa_ratio,
-            "hca_ratio": self.hca_ratio,
-            "index_heads": self.index_heads,
-            "index_head_dim": self.index_head_dim,
-            "index_topk": self.index_topk,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ValueError(f"{name}={value} must be positive")
+        ratios = self.compress_ratios
+        if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Iterable):
+            checks.fail("compress_ratios", "a sequence of per-layer ratios", repr(ratios),
+                        TypeError)
+        ratios = tuple(ratios)
+        for i, r in enumerate(ratios):
+            checks.integer(f"compress_ratios[{i}]", r, lo=0)
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in ratios))
+        for name in _POSITIVE_INTS:
+            checks.integer(name, getattr(self, name), lo=1)
+        for name in ("rope_theta", "compress_rope_theta", "yarn_factor", "rms_eps"):
+            checks.real(name, getattr(self, name), lo=0.0, lo_open=True)
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            checks.real(name, getattr(self, name))
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            raise ValueError(
-                f"rope_dim={self.rope_dim} must be even and at most head_dim={self.head_dim}"
-            )
+            checks.fail("rope_dim", f"an even integer <= head_dim={self.head_dim}",
+                        self.rope_dim)
         if self.index_head_dim < self.rope_dim:
-            raise ValueError(
-                f"index_head_dim={self.index_head_dim} must be >= rope_dim={self.rope_dim}"
-            )
+            checks.fail("index_head_dim", f"an integer >= rope_dim={self.rope_dim}",
+                        self.index_head_dim)
         if self.num_heads % self.o_groups:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be divisible by o_groups={self.o_groups}"
-            )
+            checks.fail("num_heads", f"a multiple of o_groups={self.o_groups}", self.num_heads)
         if self.csa_ratio == self.hca_ratio:
-            raise ValueError(f"csa_ratio={self.csa_ratio} and hca_ratio must differ")
+            checks.fail("csa_ratio", f"a ratio other than hca_ratio={self.hca_ratio}",
+                        self.csa_ratio)
         if not self.compress_ratios:
-            raise ValueError("compress_ratios must name at least one layer")
+            checks.fail("compress_ratios", "at least one layer", self.compress_ratios)
         allowed = {0, self.csa_ratio, self.hca_ratio}
         bad = sorted({r for r in self.compress_ratios if r not in allowed})
         if bad:
-            raise ValueError(
-                f"compress_ratios holds {bad}; expected only values in {sorted(allowed)}"
-            )
+            checks.fail("compress_ratios", f"only ratios in {sorted(allowed)} (0 = SWA, "
+                        "csa_ratio, hca_ratio)", f"the ratios {bad}")
 
     @classmethod
     def from_compress_ratios(
@@ -129,9 +126,10 @@ class AttentionConfig:
         """
         ratios = tuple(compress_ratios)
         if num_layers is not None:
+            checks.integer("num_layers", num_layers, lo=1)
             if num_layers > len(ratios):
-                raise ValueError(
-                    f"num_layers={num_layers} exceeds len(compress_ratios)={len(ratios)}")
+                checks.fail("num_layers", f"at most len(compress_ratios)={len(ratios)}",
+                            num_layers)
             ratios = ratios[:num_layers]
         return cls(compress_ratios=ratios, **fields)
 

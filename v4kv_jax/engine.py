@@ -1,8 +1,12 @@
 """The token-aware engine: requests by token ids, continuous batching, prefix sharing.
 
 `Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
-prompt; each `step()` admits queued requests into free slots (FIFO, while the pool can hold
-each one's whole prompt and output), then runs ONE jitted program of fixed shapes:
+prompt with its options (`v4kv_jax.sampling.SamplingParams`: temperature, top_k, top_p,
+min_p, seed, eos_id, stop token ids and sequences); each `step()` admits queued requests
+into free slots, in order of arrival while the pool can hold each one's whole prompt and
+output, except that later requests that fit may pass one that does not for up to
+`max_head_wait` steps (then admission waits for it: no request starves), then runs ONE
+jitted program of fixed shapes:
 
   replay   state-only rows (`Decoder.replay`): rebuild a hit's State before its boundary
   prefill  chunk rows of `prefill_chunk` tokens, within `token_budget` tokens a step (replay
@@ -12,7 +16,10 @@ each one's whole prompt and output), then runs ONE jitted program of fixed shape
 
 Every phase has one row per slot (slot id -1 where a slot has nothing to do; a phase with no
 row is skipped by `lax.cond`), so every step and every prompt length runs the same compiled
-program. Finished requests come back from `step()` as `RequestOutput`s.
+program; the last rows draw each request's token with its own key and options
+(`sampling.sample`). Finished requests come back from `step()` as `RequestOutput`s, with
+their `RequestMetrics` (host times: queue time, time to first token, time per output token);
+`generate(..., stream=True)` yields every step's new tokens instead.
 
 Prefix sharing (`v4kv_jax.prefix_cache`): every full page is listed under the digest of its
 tokens' chain (namespaced by the engine's fingerprint: attention config, cache geometry, model
@@ -34,8 +41,9 @@ import dataclasses
 import functools
 import itertools
 import os
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,13 +53,23 @@ from flax import nnx, struct
 from v4kv_jax import checks, page_tiers, pools, prefix, programs
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
-from v4kv_jax.manager import PageShortfall, PoolExhaustedError, SlotFlaggedError, SlotTable
-from v4kv_jax.nn.generate import ModelCache, sample
+from v4kv_jax.manager import SlotFlaggedError, SlotTable
+from v4kv_jax.nn.generate import ModelCache, check_prompt
 from v4kv_jax.nn.model import Decoder
 from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
 from v4kv_jax.prefix_cache import RESTORES, PrefixCache
-from v4kv_jax.request import FINISH_REASONS, EngineError, EngineReport, Request, RequestOutput
+from v4kv_jax.request import (
+    FINISH_REASONS,
+    Completion,
+    EngineError,
+    EngineReport,
+    Request,
+    RequestMetrics,
+    RequestOutput,
+    StreamOutput,
+)
+from v4kv_jax.sampling import SamplingParams, row_keys, sample, stream_key
 
 # --- the one step program -------------------------------------------------------------------------
 
@@ -62,8 +80,9 @@ class StepBatch:
 
     replay_*: state-only rows, tokens i32[S, C] of positions replay_start ...; prefill_*:
     chunk rows i32[S, C]; decode_*: i32[S, 1]; each with slot ids i32[S] and counts i32[S].
-    request: i32[S] the request number of each slot (sampling stream), draw: i32[S] the
-    index of the token it draws, temperature: f32[S].
+    key: u32[S, 2] each slot's sampling stream, draw: i32[S] the index of the token it draws
+    (its key is fold_in(key, draw)), temperature, top_k, top_p, min_p: f32/i32/f32/f32[S] its
+    options (`v4kv_jax.sampling`).
     """
 
     replay_tokens: jax.Array
@@ -76,27 +95,30 @@ class StepBatch:
     decode_tokens: jax.Array
     decode_slots: jax.Array
     decode_n: jax.Array
-    request: jax.Array
+    key: jax.Array
     draw: jax.Array
     temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
 
 
-def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBatch,
-          key: jax.Array):
+def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBatch):
     """(cache, next i32[S], logits f32[S, V]): replay, prefill and decode rows in that order;
-    row s's logits are those of its prefill chunk's last token or of its decode token.
+    row s's logits are those of its prefill chunk's last token or of its decode token, its
+    token drawn by `sampling.sample` with its key and options.
 
     With a `mesh`, every shard runs this on its own cache and rows (the batch's rows are the
-    shards' rows end to end, each shard's slot ids its own); params and key are replicated.
+    shards' rows end to end, each shard's slot ids its own); params are replicated.
     """
     if mesh is not None:
         per_shard = functools.partial(_step, graphdef, options, None)
         return meshes.shard_program(
-            per_shard, mesh, (meshes.P(), meshes.CACHE, meshes.P(meshes.DATA), meshes.P()),
+            per_shard, mesh, (meshes.P(), meshes.CACHE, meshes.P(meshes.DATA)),
             (meshes.CACHE, meshes.P(meshes.DATA), meshes.P(meshes.DATA)))(
-                params, cache, batch, key)
+                params, cache, batch)
     model = nnx.merge(graphdef, params)
-    S, V = batch.request.shape[0], model.config.vocab_size
+    S, V = batch.draw.shape[0], model.config.vocab_size
     rows = jnp.arange(S)
     none = jnp.zeros((S, V), jnp.float32)
 
@@ -123,9 +145,8 @@ def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBat
     cache, decode_logits = jax.lax.cond(jnp.any(batch.decode_n > 0), decode,
                                         lambda c: (c, none), cache)
     logits = jnp.where((batch.prefill_n > 0)[:, None], prefill_logits, decode_logits)
-    keys = jax.vmap(lambda r, i: jax.random.fold_in(jax.random.fold_in(key, r), i))(
-        batch.request, batch.draw)
-    nxt = jax.vmap(sample)(logits, keys, batch.temperature)
+    nxt = sample(logits, row_keys(batch.key, batch.draw), batch.temperature, batch.top_k,
+                 batch.top_p, batch.min_p)
     return cache, nxt, logits
 
 
@@ -191,8 +212,13 @@ class Engine(ModelCache):
       disk_snapshots: the disk tier's size in files (None: no bound on the count).
       disk_bytes: the disk tier's size in bytes (None: unbounded; default 4 GiB); least
         recently used files are deleted past either bound.
-      seed: the sampling seed (each request draws from its own stream, whatever the batch).
+      seed: the sampling seed of requests without a `seed` of their own (each draws from
+        this seed folded with its request id, whatever the batch).
       keep_logits: return each generated token's logits in its `RequestOutput`.
+      max_head_wait: admission is first come, first served, except that the oldest queued
+        request, when the pool cannot hold it yet while a slot is free, lets later requests
+        that fit pass it for up to this many steps; from then on admission waits for it (it
+        runs as soon as running requests free enough pages). 0: strictly in order.
       options: how the ops run.
       mesh: a `v4kv_jax.mesh.data_mesh` to run data-parallel over (None: one device). Each
         of its devices holds a shard: a cache of `geometry` (so the engine runs
@@ -212,8 +238,8 @@ class Engine(ModelCache):
                  device_snapshots: int = 8, host_snapshots: int = 32,
                  host_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
                  disk_snapshots: int | None = None, disk_bytes: int | None = prefix.DISK_BYTES,
-                 seed: int = 0, keep_logits: bool = False, options: Options | None = None,
-                 mesh: meshes.Mesh | None = None):
+                 seed: int = 0, keep_logits: bool = False, max_head_wait: int = 16,
+                 options: Options | None = None, mesh: meshes.Mesh | None = None):
         self.mesh = None if mesh is None else meshes.check_mesh(mesh)
         super().__init__(model, geometry, options)
         P = geometry.page_tokens
@@ -230,6 +256,7 @@ class Engine(ModelCache):
             checks.fail("keep_logits", "a bool", repr(keep_logits), TypeError)
         self.prefill_chunk = prefill_chunk
         self.keep_logits = keep_logits
+        self.max_head_wait = checks.integer("max_head_wait", max_head_wait, lo=0)
         self._key = jax.random.PRNGKey(checks.integer("seed", seed))
         attn = model.config.attn_config
         self.replay_pages = pages_for(attn.num_layers * (attn.window - 1) + 1, P)
@@ -249,7 +276,6 @@ class Engine(ModelCache):
                 disk_snapshots=disk_snapshots, disk_bytes=disk_bytes)
         if self.mesh is not None:
             self._step_params = jax.device_put(self.params, meshes.replicated(self.mesh))
-            self._key = jax.device_put(self._key, meshes.replicated(self.mesh))
         self._requests: dict[int, Request] = {}
         self._queue: list[int] = []
         self._ids = itertools.count()
@@ -260,6 +286,8 @@ class Engine(ModelCache):
         self.stats = dict.fromkeys(
             ("requests", "hits", "prompt_tokens", "cached_tokens", "replayed_tokens",
              "recomputed_tokens"), 0)
+        self._done = {"requests_finished": 0, "tokens_generated": 0, "ttft": [0.0, 0],
+                      "tpot": [0.0, 0], "queue_time": [0.0, 0]}  # [sum, count]
 
     # --- the shards -------------------------------------------------------------------------------
 
@@ -377,47 +405,72 @@ class Engine(ModelCache):
     # --- requests ---------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids, max_new_tokens: int, temperature: float = 0.0,
-                    eos_id: int | None = None, cache_salt: str | bytes | None = None) -> int:
+                    eos_id: int | None = None, cache_salt: str | bytes | None = None, *,
+                    top_k: int | None = 0, top_p: float = 1.0, min_p: float = 0.0,
+                    seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                    stop: Sequence[Sequence[int]] = ()) -> int:
         """Queues a request; returns its id. It is admitted by a later `step()`.
 
         Args:
           prompt_ids: 1-D token ids in [0, vocab_size), at least one.
-          max_new_tokens: tokens to generate (>= 1; fewer when `eos_id` comes).
+          max_new_tokens: tokens to generate (>= 1; fewer when the request stops). The
+            length rule (the Generator's too): len(prompt_ids) + max_new_tokens - 1 <=
+            max_seq_len, since the last generated token is never appended.
           temperature: 0 = greedy, > 0 samples from softmax(logits / temperature).
-          eos_id: a token id in [0, vocab_size) that ends the request, or None.
+          eos_id: a token id in [0, vocab_size) that ends the request ("eos"), or None.
           cache_salt: None, a str or bytes: the request hits only pages written under the
             same salt.
+          top_k, top_p, min_p, seed, stop_token_ids, stop: the rest of the request's options
+            (`v4kv_jax.sampling.SamplingParams`): the sampling filters, its own stream (the
+            same prompt and seed give the same tokens whatever else runs), token ids and
+            token-id sequences that end it ("stop", the stop tokens kept in the output).
 
         Raises:
-          TypeError / ValueError naming the argument; ValueError when the prompt and output
-          pass the cache's max_seq_len; `PoolExhaustedError` when they need more pages than
-          the whole pool has (the request could never run).
+          TypeError / ValueError naming the argument: a prompt longer than max_seq_len names
+          `prompt_ids`, a prompt and output past it `max_new_tokens`, and a request needing
+          more pages than the whole pool holds (it could never run) says so.
         """
+        return self._queue_request(
+            "prompt_ids", prompt_ids, max_new_tokens, temperature=temperature, eos_id=eos_id,
+            cache_salt=cache_salt, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+            stop_token_ids=stop_token_ids, stop=stop)
+
+    def _queue_request(self, name: str, prompt_ids, max_new_tokens: int, *, temperature,
+                       eos_id, cache_salt, top_k, top_p, min_p, seed, stop_token_ids,
+                       stop) -> int:
+        """`add_request`, the prompt called `name` in its errors."""
         self._check_usable()
+        arrival = time.perf_counter()
         V = self.config.vocab_size
-        if isinstance(prompt_ids, (str, bytes)):
-            checks.fail("prompt_ids", "a 1-D sequence of token ids", prompt_ids, TypeError)
-        prompt = checks.int_array("prompt_ids", prompt_ids, ndim=1, lo=0, hi=V - 1)
-        if not prompt.size:
-            checks.fail("prompt_ids", "at least one token id", "an empty sequence")
+        prompt = check_prompt(name, prompt_ids, V)
         max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
-        temperature = checks.real("temperature", temperature, lo=0.0)
-        if eos_id is not None:
-            eos_id = checks.integer("eos_id", eos_id, lo=0, hi=V - 1)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, seed=seed, eos_id=eos_id,
+                                  stop_token_ids=stop_token_ids, stop=stop)
+        sampling.check_vocab(V)
         namespace = prefix.salt_namespace(self.fingerprint, cache_salt)
         geo = self.geometry
+        if prompt.size > geo.max_seq_len:
+            checks.fail(name, f"at most {geo.max_seq_len} tokens (max_seq_len)",
+                        f"{prompt.size} tokens")
         end = prompt.size + max_new_tokens - 1
         if end > geo.max_seq_len:
             checks.fail("max_new_tokens", f"at most {geo.max_seq_len - prompt.size + 1} for a "
                         f"prompt of {prompt.size} tokens (max_seq_len={geo.max_seq_len})",
                         max_new_tokens)
-        request_id = next(self._ids)
         need = pages_for(end, geo.page_tokens)
         if need > geo.num_pages:
-            raise PoolExhaustedError([PageShortfall(request_id, need)], geo.num_pages)
+            raise ValueError(
+                f"{name}, max_new_tokens: the pool is too small for this request: its "
+                f"{prompt.size} prompt tokens and {max_new_tokens} new token(s) need {need} "
+                f"pages of {geo.page_tokens} tokens, the whole pool has num_pages="
+                f"{geo.num_pages}")
+        request_id = next(self._ids)
+        key = (np.asarray(jax.random.fold_in(self._key, request_id)) if sampling.seed is None
+               else stream_key(sampling.seed))
         self._requests[request_id] = Request(
-            request_id, prompt.astype(np.int32), max_new_tokens, temperature, eos_id, namespace,
-            prompt.astype(np.int32).tolist(), need)
+            request_id, prompt, max_new_tokens, sampling, key, namespace, prompt.tolist(), need,
+            arrival=arrival)
         self._queue.append(request_id)
         return request_id
 
@@ -449,29 +502,87 @@ class Engine(ModelCache):
         return self._requests[request_id]
 
     def generate(self, prompts: Sequence, max_new_tokens: int, *, temperature: float = 0.0,
-                 eos_id: int | None = None, cache_salt: str | bytes | None = None
-                 ) -> list[RequestOutput]:
+                 eos_id: int | None = None, cache_salt: str | bytes | None = None,
+                 top_k: int | None = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                 stop: Sequence[Sequence[int]] = (), stream: bool = False
+                 ) -> list[RequestOutput] | Iterator[list[StreamOutput]]:
         """Runs `prompts` to completion (steps shared with any request already in flight,
-        whose outputs come back from the next `step()`); returns their outputs in order."""
+        whose outputs come back from the next `step()`); returns their outputs in order.
+
+        The options are `add_request`'s, the same for every prompt (with a `seed`, every
+        prompt draws from PRNGKey(seed), so equal prompts give equal tokens). Every prompt
+        is checked and queued before this returns (all or nothing: a bad one, named
+        `prompts[i]`, queues none).
+
+        With `stream`, returns an iterator instead, whose every item is one step: a list of
+        `StreamOutput`s, one for each of these prompts that drew tokens or finished in that
+        step (request id, index in `prompts`, `new_tokens`, `finished`, `finish_reason` and
+        the `RequestOutput` once finished). A prompt's streamed tokens, concatenated, are its
+        output's tokens. Steps run as the iterator is consumed; closing it early aborts the
+        prompts still in flight.
+        """
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
         if not len(prompts):
             checks.fail("prompts", "at least one prompt", "an empty sequence")
+        if not isinstance(stream, bool):
+            checks.fail("stream", "a bool", repr(stream), TypeError)
+        options = dict(temperature=temperature, eos_id=eos_id, cache_salt=cache_salt,
+                       top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                       stop_token_ids=stop_token_ids, stop=stop)
         ids = []
         try:
-            for p in prompts:
-                ids.append(self.add_request(p, max_new_tokens, temperature, eos_id, cache_salt))
+            for i, p in enumerate(prompts):
+                ids.append(self._queue_request(f"prompts[{i}]", p, max_new_tokens, **options))
         except BaseException:
             for r in ids:  # all or nothing: the prompts queued before the bad one leave
                 self.abort(r)
             raise
+        if stream:
+            return self._stream(ids)
         done: dict[int, RequestOutput] = {}
         while len(done) < len(ids):
-            self._step()
-            mine = [o for o in self._finished if o.request_id in ids]
-            self._finished = [o for o in self._finished if o.request_id not in ids]
-            done.update((o.request_id, o) for o in mine)
+            done.update((o.request_id, o) for o in self._step_for(ids))
         return [done[r] for r in ids]
+
+    def _step_for(self, ids: list[int]) -> list[RequestOutput]:
+        """Runs a step; takes the outputs of `ids` that finished (the others' stay for
+        `step()`)."""
+        self._step()
+        mine = [o for o in self._finished if o.request_id in ids]
+        self._finished = [o for o in self._finished if o.request_id not in ids]
+        return mine
+
+    def _stream(self, ids: list[int]) -> Iterator[list[StreamOutput]]:
+        sent = dict.fromkeys(ids, 0)
+        index = {r: i for i, r in enumerate(ids)}
+        try:
+            while sent:
+                finished = {o.request_id: o for o in self._step_for(list(sent))}
+                events = []
+                for r in list(sent):
+                    out = finished.get(r)
+                    if out is None and r not in self._requests:  # aborted by the caller
+                        del sent[r]
+                        continue
+                    tokens = out.tokens if out is not None else self._requests[r].generated
+                    new = list(tokens[sent[r]:])
+                    sent[r] = len(tokens)
+                    if out is not None:
+                        del sent[r]
+                    if new or out is not None:
+                        events.append(StreamOutput(
+                            index=index[r], request_id=r, new_tokens=new,
+                            finished=out is not None,
+                            finish_reason=None if out is None else out.finish_reason,
+                            output=out))
+                yield events
+        finally:
+            if sent and self._broken is None and not self._closed:
+                for r in sent:  # closed early: what is still in flight leaves
+                    if r in self._requests:
+                        self.abort(r)
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -513,10 +624,30 @@ class Engine(ModelCache):
         finished, self._finished = self._finished, []
         return EngineError(self._broken, finished, list(self._requests))
 
+    def _admit_queued(self) -> None:
+        """Admits queued requests in order of arrival. The first that does not fit (the
+        head) lets later ones that fit pass it while it has waited fewer than
+        `max_head_wait` steps; then nothing passes it. Every process takes the same
+        decisions (from the same requests and the exchanged outcomes of `_admit`)."""
+        head, now = None, time.perf_counter()
+        for request_id in list(self._queue):
+            if sum(r.slot is not None for r in self._requests.values()) >= (
+                    self.geometry.max_slots * len(self._owners)):
+                break  # no free slot on any shard
+            req = self._requests[request_id]
+            if self._admit(req):
+                req.admitted_at = now
+                self._queue.remove(request_id)
+            elif head is None:
+                head = req
+                if head.head_wait >= self.max_head_wait:
+                    break
+        if head is not None:
+            head.head_wait += 1
+
     def _run_step(self) -> None:
         self._release_finished()
-        while self._queue and self._admit(self._requests[self._queue[0]]):
-            self._queue.pop(0)
+        self._admit_queued()
         running = [r for r in self._requests.values() if r.slot is not None]
         if not running:
             if self._queue:  # cannot happen: an empty pool holds any queued request
@@ -526,15 +657,13 @@ class Engine(ModelCache):
         batch, work = self._batch(running)
         if self.mesh is None:
             cache, nxt, logits = _step_jit(self.graphdef, self.options, None, self.params,
-                                           self.cache, jax.tree.map(jnp.asarray, batch),
-                                           self._key)
+                                           self.cache, jax.tree.map(jnp.asarray, batch))
             caches = {0: cache}
         else:
             rows = meshes.by_shard(self.mesh)
             cache, nxt, logits = _step_jit(self.graphdef, self.options, self.mesh,
                                            self._step_params, self.cache,
-                                           jax.tree.map(lambda x: meshes.put(x, rows), batch),
-                                           self._key)
+                                           jax.tree.map(lambda x: meshes.put(x, rows), batch))
             caches = meshes.split(cache, self.mesh)
         # Fetch everything the host needs first: a device failure surfaces here, before any
         # host state changes (the old cache was taken over: see `_step`).
@@ -555,6 +684,7 @@ class Engine(ModelCache):
             flags = {k: v for every in meshes.exchange(flags) for k, v in every.items()}
             flag_error = flag_error or SlotFlaggedError(flags)
         flagged = set(flags)
+        now = time.perf_counter()
         # Commit: every request's progress, as the device has it. Nothing here can fail.
         finished: list[Request] = []
         advanced = []
@@ -573,10 +703,13 @@ class Engine(ModelCache):
             token = int(nxt[row])
             req.generated.append(token)
             req.tokens.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
             if logits is not None:
                 req.logits.append(logits[row].copy())
-            if req.eos_id is not None and token == req.eos_id:
-                finished.append((req, "eos"))
+            reason = req.sampling.finish(req.generated)
+            if reason is not None:
+                finished.append((req, reason))
             elif len(req.generated) == req.max_new_tokens:
                 finished.append((req, "length"))
         self._finished += [self._output(req, reason) for req, reason in finished]
@@ -612,14 +745,18 @@ class Engine(ModelCache):
             ("replay_tokens", (C,), 0), ("replay_slots", (), -1), ("replay_start", (), 0),
             ("replay_n", (), 0), ("prefill_tokens", (C,), 0), ("prefill_slots", (), -1),
             ("prefill_n", (), 0), ("decode_tokens", (1,), 0), ("decode_slots", (), -1),
-            ("decode_n", (), 0), ("request", (), 0), ("draw", (), 0))}
-        temperature = np.zeros((S,), np.float32)
+            ("decode_n", (), 0), ("draw", (), 0), ("top_k", (), 0))}
+        keys = np.zeros((S, 2), np.uint32)
+        reals = {name: np.full((S,), fill, np.float32) for name, fill in (
+            ("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0))}
         budget = dict.fromkeys(range(len(self._owners)), self.token_budget)  # per shard
         work = {}
         for req in running:
             s, phase = self._row(req), req.phase()
-            rows["request"][s], rows["draw"][s] = req.id, len(req.generated)
-            temperature[s] = req.temperature
+            keys[s], rows["draw"][s] = req.key, len(req.generated)
+            rows["top_k"][s] = req.sampling.top_k
+            for name in reals:
+                reals[name][s] = getattr(req.sampling, name)
             if phase == "decode":
                 rows["decode_slots"][s], rows["decode_n"][s] = req.slot, 1
                 rows["decode_tokens"][s, 0] = req.tokens[req.length]
@@ -636,7 +773,7 @@ class Engine(ModelCache):
             if phase == "replay":
                 rows["replay_start"][s] = at
             work[req.id] = (phase, n)
-        return StepBatch(**rows, temperature=temperature), work
+        return StepBatch(**rows, **reals, key=keys), work
 
     def _release_finished(self) -> None:
         """Releases the slots of finished requests; one that raises stays listed (and is
@@ -669,6 +806,25 @@ class Engine(ModelCache):
         """The request's output; it leaves the requests in flight (its slot is not released
         here)."""
         self._requests.pop(req.id, None)
+        end = time.perf_counter()
+        n = len(req.generated)
+        metrics = RequestMetrics(
+            arrival_time=req.arrival,
+            queue_time=(end if req.admitted_at is None else req.admitted_at) - req.arrival,
+            ttft=None if req.first_token_at is None else req.first_token_at - req.arrival,
+            tpot=(end - req.first_token_at) / (n - 1) if n > 1 else None,
+            tokens_per_second=n / (end - req.arrival) if n else 0.0, finish_time=end,
+            prompt_tokens=len(req.prompt), cached_tokens=req.cached,
+            replayed_tokens=req.replayed, recomputed_tokens=len(req.prompt) - req.cached,
+            generated_tokens=n)
+        done = self._done
+        done["requests_finished"] += 1
+        done["tokens_generated"] += n
+        for name in ("ttft", "tpot", "queue_time"):
+            value = getattr(metrics, name)
+            if value is not None:
+                done[name][0] += value
+                done[name][1] += 1
         return RequestOutput(
             request_id=req.id, prompt_ids=req.prompt.tolist(), tokens=list(req.generated),
             finish_reason=reason, cached_tokens=req.cached, replayed_tokens=req.replayed,
@@ -676,14 +832,37 @@ class Engine(ModelCache):
             cached_from=dict(req.cached_from),
             logits=np.stack(req.logits) if self.keep_logits and req.logits else (
                 np.zeros((0, self.config.vocab_size), np.float32) if self.keep_logits
-                else None))
+                else None), metrics=metrics)
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """Engine-wide serving metrics (host times, seconds) over every request that has
+        finished (aborted ones included): requests_finished, tokens_generated, and the means
+        mean_ttft, mean_tpot, mean_queue_time of the requests that have one (None before
+        any); with the prefix cache's prompt-token counts of `memory_report().stats`."""
+        done = self._done
+        return {"requests_finished": done["requests_finished"],
+                "tokens_generated": done["tokens_generated"],
+                **{f"mean_{k}": done[k][0] / done[k][1] if done[k][1] else None
+                   for k in ("ttft", "tpot", "queue_time")},
+                **{k: self.stats[k] for k in ("requests", "prompt_tokens", "cached_tokens",
+                                              "replayed_tokens", "recomputed_tokens")}}
 
     def clear_prefix_cache(self, *, disk: bool = False) -> None:
-        """Drops every listed page (the index's references) and the device and host
-        snapshots (with `disk`, the snapshot files too). Pages live requests hold stay."""
+        """Drops every listed page (the index's references), the host tier's pages and the
+        device and host snapshots (with `disk`, the page and snapshot files too).
+
+        A clear is a barrier: requests running at the time keep their pages and State and
+        finish with the same tokens, but list no page and take no snapshot for the rest of
+        their life (not even of pages they fill later: those depend on their State from
+        before the clear), so no later request hits what they computed; their pages are
+        freed when they finish. Requests admitted after the clear list and snapshot as
+        usual (one with a running request's prompt recomputes it). Without `disk`, the files
+        already in `snapshot_dir` stay and can still be hit."""
         self._check_usable()
         for s in self.shards:
-            s.prefix_cache.clear(disk=disk)
+            s.prefix_cache.clear(disk=disk, running=[
+                r.slot for r in self._requests.values()
+                if r.slot is not None and r.shard == s.index])
 
     # --- admission --------------------------------------------------------------------------------
 
@@ -810,5 +989,6 @@ class Engine(ModelCache):
                 f"{page_disk.errors} filesystem errors caught"),
         )
 
-__all__ = ["FINISH_REASONS", "RESTORES", "Engine", "EngineError", "EngineReport", "Shard",
-           "RequestOutput", "StepBatch", "compiled_step_programs"]
+__all__ = ["FINISH_REASONS", "RESTORES", "Completion", "Engine", "EngineError", "EngineReport",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "Shard", "StepBatch",
+           "StreamOutput", "compiled_step_programs"]

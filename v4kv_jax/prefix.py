@@ -314,6 +314,11 @@ class SnapshotStore:
             return 0 if self.disk is None else self.disk.nbytes
         return self._bytes[tier]
 
+    def records(self, tier: str) -> list[SnapshotRecord]:
+        """What the device or host tier holds, least recently used first."""
+        checks.one_of("tier", tier, TIERS[:2])
+        return [record for record, _ in self._tiers[tier].values()]
+
     # --- put and get ------------------------------------------------------------------------------
 
     def put(self, record: SnapshotRecord, state: StateSnapshot) -> None:
@@ -360,6 +365,19 @@ class SnapshotStore:
                 if record.key not in self.disk:
                     written += self._to_disk(record, state)
         return written
+
+    def drop_where(self, stale: Callable[[SnapshotRecord], bool]) -> int:
+        """Drops the device and host snapshots whose record is `stale` (e.g. a page of its
+        chain is no longer kept anywhere, so it could never be restored); counted in
+        `dropped`. Returns how many were dropped."""
+        n = 0
+        for tier in ("device", "host"):
+            for key in [k for k, (record, _) in self._tiers[tier].items() if stale(record)]:
+                _, state = self._tiers[tier].pop(key)
+                self._bytes[tier] -= _nbytes(state)
+                n += 1
+        self._dropped += n
+        return n
 
     def clear(self, *, disk: bool = False) -> None:
         """Drops the device and host tiers (and with `disk`, deletes the files)."""

@@ -137,6 +137,9 @@ class PrefixCache:
             disk_bytes=disk_bytes, directory_name="snapshot_dir")
         self.stats = dict.fromkeys(("pages_evicted", "pages_from_host", "pages_from_disk",
                                     "snapshots_taken"), 0)
+        # Slots whose request was running at the last `clear`: they list and snapshot nothing
+        # until a new request enters the slot.
+        self._cleared_slots: set[int] = set()
 
     @property
     def _cache(self) -> Cache:
@@ -222,6 +225,7 @@ class PrefixCache:
         the hit's pages to the request's slot and rebuilds its State, or sets the replay that
         does."""
         P = self.geometry.page_tokens
+        self._cleared_slots.discard(req.slot)
         if plan.promoted:
             self._promote(digests[:plan.depth], plan.promoted)
         pages = self.index.match(digests[:plan.depth])
@@ -270,7 +274,10 @@ class PrefixCache:
     def record(self, req: Entry, table: np.ndarray, *, prompt_end: bool) -> None:
         """Lists the request's new full pages (`table`: the page table after the step) and
         snapshots its State at a boundary the policy asks for. `prompt_end`: the step ran a
-        prefill chunk of the request (the last full page of its prompt may end there)."""
+        prefill chunk of the request (the last full page of its prompt may end there). A
+        request that was running at a `clear` lists and snapshots nothing."""
+        if req.slot in self._cleared_slots:
+            return
         self._list_pages(req, table)
         self._maybe_snapshot(req, prompt_end=prompt_end)
 
@@ -362,16 +369,35 @@ class PrefixCache:
             for (d, _), page in zip(new, self._read([p for _, p in new]), strict=True):
                 self.cold.put(d, page)
         self._cache = _drop(self._cache, self._padded([p for _, p in dropped]))
+        self._drop_stale_snapshots()
 
-    def clear(self, *, disk: bool = False) -> None:
+    def _kept(self, digest: bytes) -> bool:
+        """Whether the page of `digest` is listed on the device or kept on the host or disk
+        tier (a hit could reach it)."""
+        return digest in self.index or self.cold.tier_of(digest) is not None
+
+    def _drop_stale_snapshots(self) -> int:
+        """Drops the device and host snapshots with a page of their chain kept nowhere: no
+        hit reaches their boundary any more, they would only hold memory."""
+        return self.snapshots.drop_where(
+            lambda record: not all(self._kept(d) for d in record.chain))
+
+    def clear(self, *, running: Sequence[int], disk: bool = False) -> None:
         """Drops every listed page (the index's references), the host tier's pages and the
-        device and host snapshots (with `disk`, the page and snapshot files too). Pages live
-        requests hold stay."""
+        device and host snapshots (with `disk`, the page and snapshot files too).
+
+        A clear is a barrier: nothing computed before it is listed or snapshotted after it.
+        The requests in the `running` slots keep their pages (their own references) and run
+        to the end, but list no page and take no snapshot any more, not even of pages they
+        fill later (those depend on the State computed before the clear); their pages are
+        freed when they finish. A request entered into such a slot afterwards lists as
+        usual. Without `disk`, the files already on disk stay (a later hit may use them)."""
         pages = self.index.clear()
         if pages:
             self._cache = _drop(self._cache, self._padded(pages))
         self.cold.clear(disk=disk)
         self.snapshots.clear(disk=disk)
+        self._cleared_slots.update(int(s) for s in running)
 
     def flush(self) -> int:
         """Writes every device and host snapshot (`SnapshotStore.flush`) and every listed

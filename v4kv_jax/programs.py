@@ -12,6 +12,9 @@ which owns:
              hashable, one compiled program per value
   counting   `Program.traces`: how often the body was traced (= programs compiled), which
              the tests read to hold "one compilation serves every length and step"
+  logging    a call that compiles (a new signature) says so on the logger "v4kv_jax" at INFO
+             when its trace starts, and how long tracing and compiling took when it returns
+             (`logging.basicConfig(level=logging.INFO)` shows both lines)
   placement  a donated argument holding any committed array enters committed throughout
              (`committed_together`): the program returns it so, and call 2 would otherwise
              compile the program again from call 1's trace (c4_tier="host")
@@ -37,9 +40,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 import jax
+
+log = logging.getLogger("v4kv_jax")
 
 
 class Program:
@@ -50,10 +57,16 @@ class Program:
         self.name = name
         self.donate, self.static = tuple(donate), tuple(static)
         self._traces = 0
+        self._compiling: float | None = None  # when this call's trace started
+        self._outermost = True  # the call is not inside another program's trace
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
             self._traces += 1  # the Python body runs only while jax traces it
+            if self._compiling is None and self._outermost:
+                self._compiling = time.perf_counter()
+                log.info("compiling %s (its first call with these shapes and statics)",
+                         self.name)
             return fn(*args, **kwargs)
 
         self._jitted = jax.jit(traced, donate_argnames=self.donate,
@@ -65,7 +78,16 @@ class Program:
         args = [committed_together(x) if i in self._donated_at else x
                 for i, x in enumerate(args)]
         kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
-        return self._jitted(*args, **kwargs)
+        # Inside another program's trace this call compiles nothing of its own.
+        self._outermost = not any(isinstance(x, jax.core.Tracer)
+                                  for x in jax.tree.leaves((args, kwargs)))
+        try:
+            return self._jitted(*args, **kwargs)
+        finally:
+            if self._compiling is not None:
+                log.info("compiled %s in %.2f s", self.name,
+                         time.perf_counter() - self._compiling)
+                self._compiling = None
 
     @property
     def traces(self) -> int:

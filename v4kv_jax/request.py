@@ -1,6 +1,8 @@
 """What the Engine takes and gives back: the host record of a request (`Request`), the
-finished request (`RequestOutput`), the error of an engine that lost its cache
-(`EngineError`) and the memory report with prefix sharing (`EngineReport`)."""
+finished request (`RequestOutput`, a `Completion` as the Generator's rows, with its
+`RequestMetrics`), a streamed step of one request (`StreamOutput`), the error of an engine
+that lost its cache (`EngineError`) and the memory report with prefix sharing
+(`EngineReport`)."""
 
 from __future__ import annotations
 
@@ -9,19 +11,68 @@ import dataclasses
 import numpy as np
 
 from v4kv_jax import pools
+from v4kv_jax.sampling import SamplingParams
 
-FINISH_REASONS = ("eos", "length", "aborted")
+FINISH_REASONS = ("eos", "stop", "length", "aborted")
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """A finished request.
+class Completion:
+    """What every generation gives back per prompt (the Generator's rows, the base of the
+    Engine's `RequestOutput`).
+
+    Attributes:
+      prompt_ids: the prompt.
+      tokens: the generated tokens (up to and including `eos_id`, a stop token id or the
+        last token of a stop sequence).
+      finish_reason: "eos" (`eos_id`), "stop" (a stop token id or stop sequence), "length"
+        (max_new_tokens reached) or "aborted" (the Engine's `abort`).
+    """
+
+    prompt_ids: list[int]
+    tokens: list[int]
+    finish_reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+    """Host times of one request (`time.perf_counter()` seconds) and its token counts.
+
+    Attributes:
+      arrival_time: when `add_request` queued it.
+      queue_time: arrival to admission into a slot (to the end, if never admitted).
+      ttft: time to first token: arrival to the end of the step that drew it (None
+        without one).
+      tpot: time per output token after the first: (last - first token) / (tokens - 1)
+        (None with fewer than 2 tokens).
+      tokens_per_second: generated tokens / (finish - arrival) (0.0 without a token).
+      finish_time: when it finished.
+      prompt_tokens: len(prompt_ids) = cached_tokens + recomputed_tokens.
+      cached_tokens: prompt tokens whose pages came from the prefix cache.
+      replayed_tokens: cached tokens replayed (state only) to rebuild the State at the hit.
+      recomputed_tokens: prompt tokens computed (prefilled).
+      generated_tokens: len(tokens).
+    """
+
+    arrival_time: float
+    queue_time: float
+    ttft: float | None
+    tpot: float | None
+    tokens_per_second: float
+    finish_time: float
+    prompt_tokens: int
+    cached_tokens: int
+    replayed_tokens: int
+    recomputed_tokens: int
+    generated_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput(Completion):
+    """A finished request of the Engine: a `Completion` and what the engine adds.
 
     Attributes:
       request_id: the id `add_request` returned.
-      prompt_ids: the prompt.
-      tokens: the generated tokens (up to and including `eos_id`).
-      finish_reason: "eos", "length" (max_new_tokens reached) or "aborted".
       cached_tokens: prompt tokens whose pages came from the prefix cache (not computed).
       replayed_tokens: tokens replayed (state only) to rebuild the State at the hit.
       restored_by: how the State at the hit was rebuilt (`RESTORES`): "none" (no hit),
@@ -32,18 +83,38 @@ class RequestOutput:
         ("device": listed in the pool; "host", "disk": promoted).
       logits: f32[len(tokens), V], the logits each token was drawn from (with the engine's
         `keep_logits`), else None.
+      metrics: the request's `RequestMetrics` (times, token counts).
     """
 
     request_id: int
-    prompt_ids: list[int]
-    tokens: list[int]
-    finish_reason: str
     cached_tokens: int
     replayed_tokens: int
     restored_by: str
     snapshot_tier: str | None
     cached_from: dict[str, int] = dataclasses.field(default_factory=dict)
     logits: np.ndarray | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOutput:
+    """What one step of a streamed `Engine.generate` gave one of its prompts.
+
+    Attributes:
+      index: the prompt's place in the call's `prompts`.
+      request_id: its request id.
+      new_tokens: the tokens generated in this step (empty while the prompt is prefilled).
+      finished: whether the request ended in this step.
+      finish_reason: its finish reason once finished, else None.
+      output: its `RequestOutput` once finished, else None.
+    """
+
+    index: int
+    request_id: int
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    output: RequestOutput | None = None
 
 
 class EngineError(RuntimeError):
@@ -72,11 +143,15 @@ class Request:
     id: int
     prompt: np.ndarray
     max_new_tokens: int
-    temperature: float
-    eos_id: int | None
+    sampling: SamplingParams
+    key: np.ndarray  # u32[2]: its sampling stream (token i drawn with fold_in(key, i))
     namespace: bytes
     tokens: list[int]
     total_pages: int  # pages held at the full length (the last token is never appended)
+    arrival: float = 0.0  # time.perf_counter() at add_request
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    head_wait: int = 0  # steps it waited blocked at the head of the queue
     slot: int | None = None
     shard: int | None = None  # the engine shard its slot is on
     length: int = 0  # tokens in the cache
@@ -164,4 +239,5 @@ class EngineReport:
              f"{r.pages_indexed} listed" for i, r in enumerate(self.shards)])
 
 
-__all__ = ["FINISH_REASONS", "EngineError", "EngineReport", "Request", "RequestOutput"]
+__all__ = ["FINISH_REASONS", "Completion", "EngineError", "EngineReport", "Request",
+           "RequestMetrics", "RequestOutput", "StreamOutput"]

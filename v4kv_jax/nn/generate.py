@@ -2,8 +2,8 @@
 
 The whole loop is ONE jitted function: a `fori_loop` over prefill chunks (its trip count is
 the longest prompt, in chunks, a runtime value) followed by a `while_loop` of decode steps
-(it stops early once every row has produced `eos_id`). Shapes depend only on the static
-settings (batch = `max_slots`, prompt buffer `max_prompt_len`, `prefill_chunk`,
+(it stops early once every row has drawn `eos_id` or a stop token id). Shapes depend only on
+the static settings (batch = `max_slots`, prompt buffer `max_prompt_len`, `prefill_chunk`,
 `max_new_tokens`), so every prompt length and every batch of up to `max_slots` prompts runs
 the same compiled program.
 
@@ -11,7 +11,9 @@ The Generator is a `ModelCache`, the host lifecycle (`v4kv_jax.manager.SlotCache
 model, as the Engine is: before each batch it releases the previous batch's requests and
 admits the prompts (request b = prompt b); the program runs on those slots (rows without a
 prompt are padding rows, slot id -1), and after it the table turns any slot flag into the
-manager's exception. `sample` is the one sampling rule of both.
+manager's exception. `v4kv_jax.sampling.sample` is the one sampling rule of both, with
+the same per-request options (`SamplingParams`), the same streams for a `seed` and the same
+length rule (prompt + max_new_tokens - 1 <= max_seq_len).
 
 The model is split once (`nnx.split`); its params and the cache are arguments of the jitted
 function, the cache donated, so the step updates the pools in place.
@@ -39,21 +41,21 @@ from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_de
 from v4kv_jax.manager import SlotCache, SlotFlaggedError, SlotTable
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.request import Completion
+from v4kv_jax.sampling import SamplingParams, row_keys, sample
 
-
-def sample(logits: jax.Array, key: jax.Array, temperature: jax.Array) -> jax.Array:
-    """i32[B]: argmax where temperature <= 0, else a draw from softmax(logits / temperature)."""
-    t = jnp.maximum(temperature, 1e-6)
-    drawn = jax.random.categorical(key, logits / t, axis=-1)
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+STOP_IDS = 16  # the Generator's stop buffer per row: eos_id and stop_token_ids
 
 
 def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Options, params,
               cache: Cache,
               slot_ids: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
-              key: jax.Array, temperature: jax.Array, eos_id: jax.Array):
+              keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+              min_p: jax.Array, stop_ids: jax.Array, limit: jax.Array):
     """Row b prefills prompts[b, :prompt_lengths[b]] into slot_ids[b] (an empty slot), then
-    decodes; a row of length 0 (slot id -1) appends and reads nothing."""
+    decodes up to `limit` tokens (<= max_new_tokens), until it draws one of stop_ids[b] (-1
+    pads); a row of length 0 (slot id -1) appends and reads nothing. Token i of row b is drawn
+    with fold_in(keys[b], i) and the row's sampling options (`sampling.sample`)."""
     model = nnx.merge(graphdef, params)
     batch, buffer = prompts.shape
     rows = jnp.arange(batch)
@@ -69,62 +71,74 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
         last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
         return cache, last
 
+    def draw(logits, i):
+        return sample(logits, row_keys(keys, i), temperature, top_k, top_p, min_p)
+
+    def stops(token):
+        return jnp.any(token[:, None] == stop_ids, axis=1)
+
     trips = (jnp.max(prompt_lengths) + prefill_chunk - 1) // prefill_chunk
     last = jnp.zeros((batch, model.config.attn_config.hidden_size), jnp.float32)
     cache, last = jax.lax.fori_loop(0, trips, prefill, (cache, last))
 
     active = prompt_lengths > 0
-    key, sub = jax.random.split(key)
-    token = jnp.where(active, sample(model.logits(last), sub, temperature), -1)
+    token = jnp.where(active, draw(model.logits(last), 0), -1)
     out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(token)
-    done = ~active | (token == eos_id)
+    done = ~active | stops(token)
 
     def cond(state):
-        i, _, _, done, _, _ = state
-        return (i < max_new_tokens) & ~jnp.all(done)
+        i, _, _, done, _ = state
+        return (i < limit) & ~jnp.all(done)
 
     def decode(state):
-        i, cache, token, done, out, key = state
+        i, cache, token, done, out = state
         cache, h = model.hidden(jnp.maximum(token, 0)[:, None], cache, slot_ids,
                                 (~done).astype(jnp.int32))
-        key, sub = jax.random.split(key)
-        nxt = jnp.where(done, -1, sample(model.logits(h[:, 0]), sub, temperature))
+        nxt = jnp.where(done, -1, draw(model.logits(h[:, 0]), i))
         out = out.at[:, i].set(nxt)
-        return i + 1, cache, nxt, done | (nxt == eos_id), out, key
+        return i + 1, cache, nxt, done | stops(nxt), out
 
-    _, cache, _, _, out, _ = jax.lax.while_loop(
-        cond, decode, (jnp.int32(1), cache, token, done, out, key))
+    _, cache, _, _, out = jax.lax.while_loop(
+        cond, decode, (jnp.int32(1), cache, token, done, out))
     return cache, out
 
 
-def _generate_on_mesh(mesh, body, params, cache: Cache, slot_ids, prompts, prompt_lengths,
-                      key, temperature, eos_id):
-    """`body` (`_generate` with its statics) per shard of `mesh`: the rows are the shards'
-    rows end to end; params, temperature and eos_id are replicated, and each shard of several
-    samples with the key folded with its index, so no two shards draw alike."""
+def _generate_on_mesh(mesh, body, params, cache: Cache, *args):
+    """`body` (`_generate` with its statics) per shard of `mesh`: the rows (and their keys
+    and options) are the shards' rows end to end; params and the limit are replicated."""
     rows, one = meshes.P(meshes.DATA), meshes.P()
-
-    def per_shard(params, cache, slot_ids, prompts, prompt_lengths, key, temperature, eos_id):
-        if mesh.size > 1:
-            key = jax.random.fold_in(key, jax.lax.axis_index(meshes.DATA))
-        return body(params, cache, slot_ids, prompts, prompt_lengths, key, temperature, eos_id)
-
-    return meshes.shard_program(per_shard, mesh,
-                                (one, meshes.CACHE, rows, rows, rows, one, one, one),
-                                (meshes.CACHE, rows))(
-        params, cache, slot_ids, prompts, prompt_lengths, key, temperature, eos_id)
+    return meshes.shard_program(body, mesh, (one, meshes.CACHE) + (rows,) * 9 + (one,),
+                                (meshes.CACHE, rows))(params, cache, *args)
 
 
 @dataclasses.dataclass
 class GenerationResult:
     """tokens: i32[B, max_new_tokens] (-1 after a row's last token); lengths: i32[B] tokens
-    generated per row (up to and including `eos_id`)."""
+    generated per row (up to and including `eos_id`, a stop token or a stop sequence);
+    finish_reasons: per row, "eos", "stop" or "length"; prompt_ids: the prompts.
+
+    Indexing or iterating gives one `Completion` per prompt (prompt_ids, tokens as a list,
+    finish_reason): the fields of the Engine's `RequestOutput` that every generation has.
+    """
 
     tokens: np.ndarray
     lengths: np.ndarray
+    finish_reasons: list[str] = dataclasses.field(default_factory=list)
+    prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)
 
     def as_lists(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, b: int) -> Completion:
+        return Completion(prompt_ids=self.prompt_ids[b],
+                          tokens=self.tokens[b, :self.lengths[b]].tolist(),
+                          finish_reason=self.finish_reasons[b])
+
+    def __iter__(self):
+        return (self[b] for b in range(len(self)))
 
 
 class ModelCache(SlotCache):
@@ -153,16 +167,19 @@ class Generator(ModelCache):
 
     Args:
       model: the decoder (split once here; later changes to it are not seen).
-      geometry: the cache geometry; `max_slots` is the batch, and every slot must hold
-        `max_prompt_len + max_new_tokens` tokens (`max_seq_len`) and its pages must fit.
+      geometry: the cache geometry; `max_slots` is the batch. The length rule is the
+        Engine's: a prompt and its output must fit `max_seq_len` less one token, since the
+        last generated token is never appended: max_prompt_len + max_new_tokens - 1 <=
+        max_seq_len (and the pages of every row must fit the pool).
       max_prompt_len: the longest prompt (the prompt buffer, rounded up to whole chunks).
-      max_new_tokens: tokens generated per prompt (fewer for a row that emits `eos_id`).
+      max_new_tokens: the most tokens a call generates per prompt (the output buffer; a
+        call may ask for fewer).
       prefill_chunk: tokens per prefill step.
       options: how the ops run (`v4kv_jax.Options`; default: "auto").
       mesh: a `v4kv_jax.mesh.data_mesh` (None: one device): each device holds a shard of
         `geometry`, so a call takes up to mesh.size * max_slots prompts; prompt b runs on
-        shard b // max_slots. Greedy rows give the tokens of one device; sampled rows draw
-        from the call's key folded with their shard's index.
+        shard b // max_slots. Every row draws from its own stream (see `generate`), so a
+        mesh gives the tokens of one device.
     """
 
     _live: weakref.WeakSet[Generator] = weakref.WeakSet()
@@ -175,10 +192,10 @@ class Generator(ModelCache):
         max_prompt_len = checks.integer("max_prompt_len", max_prompt_len, lo=1)
         max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
         prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
-        need = max_prompt_len + max_new_tokens
-        if need > geometry.max_seq_len:
-            raise ValueError(f"max_prompt_len + max_new_tokens = {need} exceeds the cache's "
-                             f"max_seq_len={geometry.max_seq_len}")
+        if max_prompt_len + max_new_tokens - 1 > geometry.max_seq_len:
+            checks.fail("max_new_tokens", f"at most {geometry.max_seq_len - max_prompt_len + 1} "
+                        f"for max_prompt_len={max_prompt_len} (max_prompt_len + max_new_tokens "
+                        f"- 1 <= max_seq_len={geometry.max_seq_len})", max_new_tokens)
         self.max_new_tokens = max_new_tokens
         self.prefill_chunk = min(prefill_chunk, max_prompt_len)
         self.buffer = -(-max_prompt_len // self.prefill_chunk) * self.prefill_chunk
@@ -189,6 +206,9 @@ class Generator(ModelCache):
             body = functools.partial(_generate_on_mesh, self.mesh, body)
             self.params = jax.device_put(self.params, meshes.replicated(self.mesh))
         self._program = programs.program("generator", body, donate=("cache",), register=False)
+        base = jax.random.PRNGKey(0)
+        self._row_streams = np.stack([np.asarray(jax.random.fold_in(base, b))
+                                      for b in range(self.batch)])
         Generator._live.add(self)
 
     def _init_pools(self, model: AttentionConfig, geometry: CacheConfig) -> None:
@@ -222,24 +242,41 @@ class Generator(ModelCache):
         """How many programs the generators alive now have traced and compiled, together."""
         return sum(gen.traces for gen in cls._live)
 
-    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float = 0.0,
-                 seed: int = 0, eos_id: int | None = None) -> GenerationResult:
-        """Generates for up to `max_slots` prompts of 1..max_prompt_len tokens each.
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
+                 temperature: float = 0.0, top_k: int | None = 0, top_p: float = 1.0,
+                 min_p: float = 0.0, seed: int | None = None, eos_id: int | None = None,
+                 stop_token_ids: Sequence[int] = (), stop: Sequence[Sequence[int]] = ()
+                 ) -> GenerationResult:
+        """Generates for up to `max_slots` prompts of 1..max_prompt_len tokens each, with the
+        arguments of `Engine.generate` (the options of `v4kv_jax.sampling.SamplingParams`,
+        the same for every prompt of the call).
 
         The prompts are the requests 0..len(prompts)-1 of the generator's `SlotTable` (the
         previous call's requests are released first) and stay admitted until the next call.
 
         Args:
           prompts: token ids per prompt.
-          temperature: 0 = greedy; > 0 samples from softmax(logits / temperature); a negative
-            or non-finite value raises ValueError.
-          seed: the sampling seed (an int).
-          eos_id: a token id in [0, vocab_size) that ends a row (it is included in the row's
-            output).
+          max_new_tokens: tokens to generate per prompt, at most the constructor's (None:
+            the constructor's); fewer for a row that stops. Any value runs the same program.
+          temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+          top_k, top_p, min_p: the sampling filters (off: 0, 1.0, 0.0).
+          seed: an int: every row draws from PRNGKey(seed) (a prompt gives the same tokens
+            as in the Engine with the same seed, alone or in any batch); None: row b from
+            PRNGKey(0) folded with b.
+          eos_id: a token id in [0, vocab_size) that ends a row (included in its output).
+          stop_token_ids: more token ids that end a row (eos_id and these: at most
+            `STOP_IDS`, checked on the device).
+          stop: token-id sequences that end a row: applied on the host to the output (the
+            row is cut after the first stop sequence its tokens complete; the device decodes
+            on until the row's other ends, so a stop sequence saves no compute here).
+
+        Returns:
+          A `GenerationResult`: arrays of every row, and a `Completion` per prompt
+          (`result[b]`, or iterate) with its finish reason.
 
         Raises:
           TypeError / ValueError naming the argument for bad prompts (not integer token ids,
-          ids outside [0, vocab_size), empty or longer than max_prompt_len) or settings.
+          ids outside [0, vocab_size), empty or longer than max_prompt_len) or options.
           After the program, `SlotTable.flag_error` of the flagged prompts (as the manager):
           `PoolExhaustedError` ("prompts [b, ...] could not append (['OUT_OF_PAGES'])...",
           each shortfall counted for the prompt plus max_new_tokens - 1 tokens) when the pool
@@ -252,20 +289,28 @@ class Generator(ModelCache):
             checks.fail("prompts", f"1 to {batch} prompts (max_slots"
                         + ("" if self.mesh is None else " x mesh devices") + ")",
                         f"{len(prompts)} prompts")
-        temperature = checks.real("temperature", temperature, lo=0.0)
-        seed = checks.integer("seed", seed)
+        limit = self.max_new_tokens if max_new_tokens is None else checks.integer(
+            "max_new_tokens", max_new_tokens, lo=1, hi=self.max_new_tokens)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                seed=seed, eos_id=eos_id, stop_token_ids=stop_token_ids,
+                                stop=stop)
         V = self.config.vocab_size
-        if eos_id is not None:
-            eos_id = checks.integer("eos_id", eos_id, lo=0, hi=V - 1)
+        params.check_vocab(V)
+        stop_ids = ([] if eos_id is None else [params.eos_id]) + list(params.stop_token_ids)
+        if len(stop_ids) > STOP_IDS:
+            checks.fail("stop_token_ids", f"at most {STOP_IDS} ids with eos_id (the "
+                        "Generator's stop buffer)", f"{len(stop_ids)} ids")
         buf = np.zeros((batch, self.buffer), np.int32)
         lengths = np.zeros((batch,), np.int32)
+        prompt_ids = []
         for b, p in enumerate(prompts):
-            p = checks.int_array(f"prompts[{b}]", p, ndim=1, lo=0, hi=V - 1)
-            if not 1 <= p.size <= self.max_prompt_len:
+            p = check_prompt(f"prompts[{b}]", p, V)
+            if p.size > self.max_prompt_len:
                 checks.fail(f"prompts[{b}]", f"1 to {self.max_prompt_len} tokens "
                             "(max_prompt_len)", f"{p.size} tokens")
             buf[b, :p.size] = p
             lengths[b] = p.size
+            prompt_ids.append(p.tolist())
         S = self.geometry.max_slots
         caches = {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
         slot_ids = np.full((batch,), -1, np.int32)
@@ -275,24 +320,30 @@ class Generator(ModelCache):
                 cache, slot_ids[b] = table.admit(cache, b)
             caches[i] = cache
         slot_ids[:len(prompts)] = np.arange(len(prompts)) % S  # every process's rows
-        args = (slot_ids, buf, lengths)
-        scalars = (jax.random.PRNGKey(seed), jnp.float32(temperature),
-                   jnp.int32(-1 if eos_id is None else eos_id))
+        keys = (self._row_streams if params.seed is None else
+                np.broadcast_to(np.asarray(jax.random.PRNGKey(params.seed)), (batch, 2)))
+        stops = np.full((batch, STOP_IDS), -1, np.int32)
+        stops[:, :len(stop_ids)] = stop_ids
+        args = (slot_ids, buf, lengths, np.asarray(keys),
+                np.full((batch,), params.temperature, np.float32),
+                np.full((batch,), params.top_k, np.int32),
+                np.full((batch,), params.top_p, np.float32),
+                np.full((batch,), params.min_p, np.float32), stops)
         if self.mesh is None:
             cache = caches[0]
-            args = tuple(jnp.asarray(a) for a in args)
+            args = tuple(jnp.asarray(a) for a in args) + (jnp.int32(limit),)
         else:
             cache = meshes.assemble(caches, self.mesh)
-            args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in args)
-            scalars = tuple(meshes.put(a, meshes.replicated(self.mesh)) for a in scalars)
-        self.cache, out = self._program(self.params, cache, *args, *scalars)
-        wanted = {b: int(lengths[b]) + self.max_new_tokens - 1 for b in range(len(prompts))}
+            args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in args) + (
+                meshes.put(np.int32(limit), meshes.replicated(self.mesh)),)
+        self.cache, out = self._program(self.params, cache, *args)
+        wanted = {b: int(lengths[b]) + limit - 1 for b in range(len(prompts))}
         error = None
         caches = {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
         for i, table in self.tables.items():
             mine = [b for b in table if b < len(prompts)]
             error = error or table.flag_error(caches[i], mine, wanted, noun="prompt")
-        out = meshes.fetch(out)[:len(prompts)]
+        out = np.array(meshes.fetch(out)[:len(prompts)])
         if self.mesh is not None and meshes.any_process(error is not None) and error is None:
             status = meshes.fetch(pools.status(self.cache))  # prompt b's row is b
             error = SlotFlaggedError({b: SlotStatus(int(status[b])).name
@@ -301,7 +352,35 @@ class Generator(ModelCache):
                                      noun="prompt")
         if error is not None:
             raise error
-        return GenerationResult(tokens=out, lengths=np.sum(out >= 0, axis=1).astype(np.int32))
+        made = np.sum(out >= 0, axis=1).astype(np.int32)
+        reasons = []
+        for b in range(len(prompts)):
+            row, reason = out[b, :made[b]].tolist(), None
+            ends = range(1, len(row) + 1) if params.stop else [len(row)]
+            for n in ends:  # the first end: the device's, or a stop sequence's
+                reason = params.finish(row[:n])
+                if reason is not None:
+                    made[b] = n
+                    break
+            reasons.append(reason or "length")
+            out[b, made[b]:] = -1
+        return GenerationResult(tokens=out, lengths=made, finish_reasons=reasons,
+                                prompt_ids=prompt_ids)
+
+
+def check_prompt(name: str, prompt, vocab_size: int) -> np.ndarray:
+    """A prompt: a non-empty 1-D sequence of token ids in [0, vocab_size) (as `nn.forward`
+    checks them); returns it as int32. Raises TypeError / ValueError naming `name`."""
+    if isinstance(prompt, (str, bytes)):
+        checks.fail(name, "a 1-D sequence of token ids", prompt, TypeError)
+    p = checks.int_array(name, prompt, ndim=1)
+    if not p.size:
+        checks.fail(name, "at least one token id", "an empty sequence")
+    bad = np.flatnonzero((p < 0) | (p >= vocab_size))
+    if bad.size:
+        checks.fail(name, f"token ids in [0, {vocab_size}) (vocab_size)",
+                    f"{int(p[bad[0]])} at position {int(bad[0])}")
+    return p.astype(np.int32)
 
 
 def _forward_body(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,

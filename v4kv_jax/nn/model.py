@@ -53,10 +53,13 @@ class ModelConfig:
     tie_embeddings: bool = False
 
     def __post_init__(self):
-        if self.vocab_size <= 0:
-            raise ValueError(f"vocab_size={self.vocab_size} must be positive")
-        if self.mlp_hidden < 0:
-            raise ValueError(f"mlp_hidden={self.mlp_hidden} must be >= 0")
+        if not isinstance(self.attn_config, AttentionConfig):
+            checks.fail("attn_config", "a v4kv_jax AttentionConfig",
+                        type(self.attn_config).__name__, TypeError)
+        checks.integer("vocab_size", self.vocab_size, lo=1)
+        checks.integer("mlp_hidden", self.mlp_hidden, lo=0)
+        if not isinstance(self.tie_embeddings, bool):
+            checks.fail("tie_embeddings", "a bool", repr(self.tie_embeddings), TypeError)
 
     @property
     def num_layers(self) -> int:
