@@ -50,7 +50,7 @@ if __name__ == "__main__" and _devices_argument(sys.argv[1:]) > 1:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from measure import read_bandwidth, write_result  # noqa: E402
+from measure import hlo_counts, read_bandwidth, write_result  # noqa: E402
 
 from v4kv_jax import append, pools, step, storage  # noqa: E402
 from v4kv_jax import config as cfg  # noqa: E402
@@ -235,6 +235,7 @@ def run(args) -> dict:
             jax.block_until_ready(out)
             times.append(time.perf_counter() - t0)
         v4_ms = 1e3 * statistics.median(times)
+        counts = hlo_counts(v4.lower(cache, vectors, queries, data.weights).compile())
         del cache
         need = v4_step_bytes(model, geometry, args.batch, context)
         roofline_ms = 1e3 * need / bandwidth
@@ -269,7 +270,8 @@ def run(args) -> dict:
                    v4_bytes_read=need, roofline_ms=roofline_ms,
                    v4_over_roofline=v4_ms / roofline_ms, dense_ms=dense_ms,
                    dense_compile_s=dense_compile, dense_bytes_read=dense_bytes,
-                   speedup_vs_dense=(dense_ms / v4_ms) if dense_ms else None)
+                   speedup_vs_dense=(dense_ms / v4_ms) if dense_ms else None,
+                   hlo=counts, fusions_per_layer=counts["fusions"] / model.num_layers)
         rows.append(row)
         print(_format_row(row), flush=True)
     return dict(
@@ -286,7 +288,11 @@ def run(args) -> dict:
 
 
 HEADER = (f"{'context':>8} {'formats':>8} {'batch':>5} {'MiB read':>9} {'v4 ms':>8} "
-          f"{'roofline':>9} {'x roof':>7} {'dense ms':>9} {'speedup':>8} {'compile s':>9}")
+          f"{'roofline':>9} {'x roof':>7} {'dense ms':>9} {'speedup':>8} {'compile s':>9} "
+          f"{'ops':>5} {'fusions':>7} {'/layer':>6}")
+# ops: operations of the step's optimized HLO entry computation (parameters, constants, tuples
+# and bitcasts not counted); fusions: its fusions with every loop body and branch counted once;
+# /layer: fusions per layer.
 
 
 def _format_row(r) -> str:
@@ -294,7 +300,8 @@ def _format_row(r) -> str:
     speed = f"{r['speedup_vs_dense']:7.1f}x" if r["speedup_vs_dense"] else f"{'-':>8}"
     return (f"{r['context']:>8} {r['formats']:>8} {r['batch']:>5} "
             f"{r['v4_bytes_read'] / 2**20:9.1f} {r['v4_ms']:8.2f} {r['roofline_ms']:8.2f}m "
-            f"{r['v4_over_roofline']:6.2f}x {dense} {speed} {r['v4_compile_s']:9.1f}")
+            f"{r['v4_over_roofline']:6.2f}x {dense} {speed} {r['v4_compile_s']:9.1f} "
+            f"{r['hlo']['entry_ops']:>5} {r['hlo']['fusions']:>7} {r['fusions_per_layer']:6.1f}")
 
 
 def main(argv=None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 
 import jax
@@ -39,3 +40,56 @@ def write_result(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
+
+
+# Opcodes that compute nothing at run time: not counted as operations.
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+# Opcodes whose called computations run as part of the step (followed); the computations of
+# fusions, reductions, sorts and scatters are parts of one operation (not followed).
+_CONTROL = {"while", "conditional", "call"}
+
+
+def hlo_counts(compiled) -> dict:
+    """Operation counts of a compiled program's optimized HLO (`jit(f).lower(...).compile()`).
+
+    entry_ops: the entry computation's operations (parameters, constants, tuples and bitcasts
+    not counted); entry_fusions, entry_conditionals, entry_whiles: of those; fusions: fusion
+    operations of the entry computation and of every loop body, loop condition and branch it
+    runs, each computation counted once (a loop's body once, whatever its trip count).
+    """
+    computations: dict[str, list[tuple[str, list[str]]]] = {}
+    entry, current = None, None
+    for line in compiled.as_text().splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            head = line.split()
+            is_entry = head[0] == "ENTRY"
+            current = (head[1] if is_entry else head[0]).lstrip("%")
+            computations[current] = []
+            entry = current if is_entry else entry
+        elif current is not None and " = " in line:
+            rhs = line.split(" = ", 1)[1]
+            match = re.search(r"(?:^|\s)([a-z][\w\-.]*)\(", rhs)
+            if match is None:
+                continue
+            opcode = match.group(1)
+            callees = []
+            if opcode in _CONTROL:
+                callees = re.findall(r"(?:condition|body|to_apply|true_computation|"
+                                     r"false_computation)=%?([\w.\-]+)", rhs)
+                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
+                if branches:
+                    callees += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+            computations[current].append((opcode, callees))
+    ops = [op for op, _ in computations.get(entry, []) if op not in _FREE]
+    seen, todo, fusions = set(), [entry], 0
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        for op, callees in computations[name]:
+            fusions += op == "fusion"
+            todo += callees
+    return dict(entry_ops=len(ops), entry_fusions=ops.count("fusion"),
+                entry_conditionals=ops.count("conditional"), entry_whiles=ops.count("while"),
+                fusions=fusions)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from measure import read_bandwidth, write_result
+from measure import hlo_counts, read_bandwidth, write_result
 
 import v4kv_jax as v4
 from v4kv_jax import append, interop
@@ -273,6 +273,9 @@ def run(args) -> dict:
             warm, y = stack(warm, jnp.zeros((B, args.chunk, D), jnp.float32))  # compiles
             warm, y = stack(warm, jnp.zeros((B, 1, D), jnp.float32))  # the decode program
             jax.block_until_ready(y)
+            stack.counts = hlo_counts(stack._run.lower(
+                stack.params, warm, jnp.zeros((B, 1, D), jnp.float32),
+                jnp.ones((B,), jnp.int32)).compile())
             stacks[need] = stack
         return stacks[need]
 
@@ -315,6 +318,7 @@ def run(args) -> dict:
                        cache_bytes=cache_bytes,
                        roofline_ms=1e3 * (weights + cache_bytes) / bandwidth)
             row["v4_x_roofline"] = row["v4_decode_ms"] / row["roofline_ms"]
+            row["decode_hlo"] = stack.counts
         del cache
         row.update(torch_rows.get(context, {}))
         if "torch_decode_ms" in row and "v4_decode_ms" in row:
@@ -336,6 +340,14 @@ def run(args) -> dict:
         kinds=[k.name for k in config.layer_kinds],
     )
     result["targets"] = check_targets(rows)
+    for stack in stacks.values():
+        c = stack.counts
+        print(f"decode program, capacity {stack.geometry.max_seq_len}: {c['entry_ops']} "
+              f"operations in the entry computation ({c['entry_fusions']} fusions, "
+              f"{c['entry_conditionals']} conditionals, {c['entry_whiles']} loops); "
+              f"{c['fusions']} fusions with loop and branch bodies, "
+              f"{c['fusions'] / config.num_layers:.0f} per layer (optimized HLO, "
+              f"{jax.default_backend()})")
     print(f"load average at the end: {result['machine']['load_average_end']:.2f}")
     print(HEADER_NOTE.format(**projections))
     for name, t in result["targets"].items():
