@@ -28,6 +28,7 @@ import numpy as np
 from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, LayerKind
 from v4kv_jax.interop import names
+from v4kv_jax.nn.attention import V4Attention
 from v4kv_jax.nn.model import Block, Decoder
 
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
@@ -211,7 +212,10 @@ def checkpoint_tensors(params: Mapping[str, np.ndarray], kind: LayerKind, layout
 
 
 def param_at(module, path: str):
-    """The `nnx.Param` at a dot-separated path of a module."""
+    """The `nnx.Param` at a dot-separated path of a module (of a `V4Attention`: its
+    `weight(path)`, a `Rows` view for a projection stored in a fused weight)."""
+    if isinstance(module, V4Attention):
+        return module.weight(path)
     if not isinstance(path, str):
         checks.fail("path", "a dot-separated param path (str)", path, TypeError)
     obj, parts = module, path.split(".")

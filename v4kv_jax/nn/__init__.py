@@ -1,10 +1,11 @@
 """Flax NNX modules on top of the cache: `V4Attention`, a small `Decoder`, jitted generation."""
 
-from v4kv_jax.nn.attention import Compressor, Indexer, V4Attention
+from v4kv_jax.nn.attention import Compressor, Indexer, Rows, V4Attention, fused_rows
 from v4kv_jax.nn.generate import GenerationResult, Generator, ModelCache, forward, sample
 from v4kv_jax.nn.model import MLP, Block, Decoder, LayerGroup, ModelConfig, layer_groups
 
 __all__ = [
     "MLP", "Block", "Compressor", "Decoder", "GenerationResult", "Generator", "Indexer",
-    "LayerGroup", "ModelCache", "ModelConfig", "V4Attention", "forward", "layer_groups", "sample",
+    "LayerGroup", "ModelCache", "ModelConfig", "Rows", "V4Attention", "forward", "fused_rows",
+    "layer_groups", "sample",
 ]

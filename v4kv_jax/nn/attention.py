@@ -2,7 +2,7 @@
 
 The module owns the layer's weights and computes the per-token vectors the cache takes; the
 cache (`v4kv_jax.step`) owns the window ring, the compressor tails, the pooled entries and the
-attention itself. Weights are stored [out, in] like the checkpoints, so loading is a copy.
+attention itself. Weights are [out, in] like the checkpoints.
 
 Parameters by layer kind (D hidden, q query rank, H heads of hd, g groups of rank R,
 m the layer's ratio, coff 2 for CSA and 1 for HCA, nI indexer heads of c):
@@ -16,8 +16,20 @@ m the layer's ratio, coff 2 for CSA and 1 for HCA, nI indexer heads of c):
                  indexer.compressor.{kv_proj, gate_proj} [2 c, D]
                  indexer.compressor.ape [m, 2 c]   indexer.compressor.norm [c]
 
-`v4kv_jax.interop` maps these names to and from transformers 5.23.0 and the official
-checkpoint.
+The projections that read the same input are stored as one fused weight, so a layer runs one
+matmul per input instead of up to seven (a decode step is a sequence of small products whose
+count, not their bytes, sets its time; `benchmarks/model.py`):
+
+  x_proj   [sum, D]  the rows of q_a_proj, kv_proj, compressor.kv_proj, compressor.gate_proj,
+                     indexer.weights_proj, indexer.compressor.kv_proj,
+                     indexer.compressor.gate_proj (those the kind has, in this order)
+  qr_proj  [sum, q]  the rows of q_b_proj, then indexer.q_b_proj (CSA)
+
+Each named projection above stays addressable: `layer.weight(path)` gives a view of its rows
+that reads and writes like an `nnx.Param` (`view[...]`, `view[...] = w`; stacked layers keep
+their leading axis), and `q_a_proj`, `q_b_proj`, `kv_proj` are properties returning it.
+`v4kv_jax.interop` maps the names to and from transformers 5.23.0 and the official
+checkpoint through these views.
 """
 
 from __future__ import annotations
@@ -58,26 +70,19 @@ def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
 
 
 class Compressor(nnx.Module):
-    """Projections and pooling params of one compressor (SPEC section 3).
+    """The pooling params of one compressor (SPEC section 3); its two projections (W_kv_c and
+    W_gate_c, [coff * width, D] each) are rows of the layer's `x_proj`.
 
     Attributes:
-      kv_proj, gate_proj: [coff * width, D], W_kv_c and W_gate_c.
       ape: [ratio, coff * width], the position bias added to the gate by t mod ratio.
       norm: [width], the weight of the entry RMSNorm.
     """
 
-    def __init__(self, hidden: int, width: int, ratio: int, overlap: bool, *, rngs: nnx.Rngs,
-                 param_dtype=jnp.float32, bias_scale: float = 0.0):
+    def __init__(self, ratio: int, width: int, overlap: bool, *, rngs: nnx.Rngs,
+                 bias_scale: float = 0.0):
         coff = 2 if overlap else 1
-        self.kv_proj = _projection(rngs, coff * width, hidden, param_dtype)
-        self.gate_proj = _projection(rngs, coff * width, hidden, param_dtype)
         self.ape = _normal(rngs, (ratio, coff * width), bias_scale, jnp.float32)
         self.norm = nnx.Param(jnp.ones((width,), jnp.float32))
-
-    def inputs(self, x: jax.Array, precision=None) -> CompressorInput:
-        """a_t and z_t (without ape) for x [B, T, D]: [B, T, coff * width] each, fp32."""
-        return CompressorInput(kv=linear(x, self.kv_proj[...], precision),
-                               gate=linear(x, self.gate_proj[...], precision))
 
     @property
     def params(self) -> CompressorParams:
@@ -85,16 +90,65 @@ class Compressor(nnx.Module):
 
 
 class Indexer(nnx.Module):
-    """The lightning indexer of a CSA layer (SPEC section 5): its query and head-weight
-    projections and its own overlapping compressor of width c."""
+    """The lightning indexer of a CSA layer (SPEC section 5): its own overlapping compressor
+    of width c (the indexer's query and head-weight projections are rows of the layer's
+    `qr_proj` and `x_proj`)."""
 
-    def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs, param_dtype=jnp.float32,
-                 bias_scale: float = 0.0):
-        c, n = config.index_head_dim, config.index_heads
-        self.q_b_proj = _projection(rngs, n * c, config.q_lora_rank, param_dtype)
-        self.weights_proj = _projection(rngs, n, config.hidden_size, param_dtype)
-        self.compressor = Compressor(config.hidden_size, c, config.csa_ratio, True, rngs=rngs,
-                                     param_dtype=param_dtype, bias_scale=bias_scale)
+    def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs, bias_scale: float = 0.0):
+        self.compressor = Compressor(config.csa_ratio, config.index_head_dim, True, rngs=rngs,
+                                     bias_scale=bias_scale)
+
+
+class Rows:
+    """Rows [start, stop) of a fused weight [..., out, in], read and written like an
+    `nnx.Param`: `rows[...]` is the [..., stop - start, in] block, `rows[...] = w` replaces
+    it (the rest of the fused weight is kept)."""
+
+    def __init__(self, param: nnx.Param, start: int, stop: int):
+        self.param, self.start, self.stop = param, start, stop
+
+    @staticmethod
+    def _whole(index) -> None:
+        if index is not Ellipsis:
+            checks.fail("index", "... (a projection's rows are read and written whole)",
+                        repr(index), TypeError)
+
+    def __getitem__(self, index) -> jax.Array:
+        self._whole(index)
+        return self.param[...][..., self.start:self.stop, :]
+
+    def __setitem__(self, index, value) -> None:
+        self._whole(index)
+        full = self.param[...]
+        want = (*full.shape[:-2], self.stop - self.start, full.shape[-1])
+        value = jnp.asarray(value, full.dtype)
+        if value.shape != want:
+            checks.fail("value", f"an array of shape {want}", f"shape {value.shape}")
+        self.param[...] = full.at[..., self.start:self.stop, :].set(value)
+
+
+def fused_rows(config: AttentionConfig, kind: LayerKind) -> dict[str, tuple[str, int, int]]:
+    """{projection path: (fused weight, first row, row count)} of a layer of `kind`, in the
+    order the fused weights hold them (see the module docstring)."""
+    kind = LayerKind(kind)
+    x_rows = [("q_a_proj", config.q_lora_rank), ("kv_proj", config.head_dim)]
+    q_rows = [("q_b_proj", config.num_heads * config.head_dim)]
+    if kind != LayerKind.SWA:
+        width = (2 if kind == LayerKind.CSA else 1) * config.head_dim
+        x_rows += [("compressor.kv_proj", width), ("compressor.gate_proj", width)]
+    if kind == LayerKind.CSA:
+        c = config.index_head_dim
+        x_rows += [("indexer.weights_proj", config.index_heads),
+                   ("indexer.compressor.kv_proj", 2 * c),
+                   ("indexer.compressor.gate_proj", 2 * c)]
+        q_rows += [("indexer.q_b_proj", config.index_heads * c)]
+    out = {}
+    for fused, rows in (("x_proj", x_rows), ("qr_proj", q_rows)):
+        start = 0
+        for path, n in rows:
+            out[path] = (fused, start, n)
+            start += n
+    return out
 
 
 class V4Attention(nnx.Module):
@@ -116,21 +170,67 @@ class V4Attention(nnx.Module):
         self.config = config
         self.kind = LayerKind(kind)
         self.precision = precision
-        self.q_a_proj = _projection(rngs, config.q_lora_rank, D, param_dtype)
+        # Drawn in the order of the unfused layer's params, so a seed gives the same weights.
+        drawn = {"q_a_proj": _projection(rngs, config.q_lora_rank, D, param_dtype)}
         self.q_a_norm = nnx.Param(jnp.ones((config.q_lora_rank,), jnp.float32))
-        self.q_b_proj = _projection(rngs, H * hd, config.q_lora_rank, param_dtype)
-        self.kv_proj = _projection(rngs, hd, D, param_dtype)
+        drawn["q_b_proj"] = _projection(rngs, H * hd, config.q_lora_rank, param_dtype)
+        drawn["kv_proj"] = _projection(rngs, hd, D, param_dtype)
         self.kv_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
         self.o_a_proj = _projection(rngs, g * R, H * hd // g, param_dtype)
         self.o_b_proj = _projection(rngs, D, g * R, param_dtype)
         self.sinks = _normal(rngs, (H,), bias_scale, jnp.float32)
-        compressed = self.kind != LayerKind.SWA
-        self.compressor = nnx.data(Compressor(
-            D, hd, config.ratio(self.kind), self.kind == LayerKind.CSA, rngs=rngs,
-            param_dtype=param_dtype, bias_scale=bias_scale) if compressed else None)
-        self.indexer = nnx.data(Indexer(config, rngs=rngs, param_dtype=param_dtype,
-                                        bias_scale=bias_scale)
-                                if self.kind == LayerKind.CSA else None)
+        compressor = indexer = None
+        if self.kind != LayerKind.SWA:
+            width = (2 if self.kind == LayerKind.CSA else 1) * hd
+            drawn["compressor.kv_proj"] = _projection(rngs, width, D, param_dtype)
+            drawn["compressor.gate_proj"] = _projection(rngs, width, D, param_dtype)
+            compressor = Compressor(config.ratio(self.kind), hd, self.kind == LayerKind.CSA,
+                                    rngs=rngs, bias_scale=bias_scale)
+        if self.kind == LayerKind.CSA:
+            c, n = config.index_head_dim, config.index_heads
+            drawn["indexer.q_b_proj"] = _projection(rngs, n * c, config.q_lora_rank, param_dtype)
+            drawn["indexer.weights_proj"] = _projection(rngs, n, D, param_dtype)
+            drawn["indexer.compressor.kv_proj"] = _projection(rngs, 2 * c, D, param_dtype)
+            drawn["indexer.compressor.gate_proj"] = _projection(rngs, 2 * c, D, param_dtype)
+            indexer = Indexer(config, rngs=rngs, bias_scale=bias_scale)
+        self.compressor = nnx.data(compressor)
+        self.indexer = nnx.data(indexer)
+        rows = fused_rows(config, self.kind)
+        for fused in ("x_proj", "qr_proj"):
+            parts = [drawn[path][...] for path, (f, _, _) in rows.items() if f == fused]
+            setattr(self, fused, nnx.Param(jnp.concatenate(parts, axis=0)))
+
+    def weight(self, path: str):
+        """The param at `path` (a name of the module docstring's table, e.g. "q_a_proj",
+        "compressor.ape", "indexer.compressor.kv_proj"): the `nnx.Param`, or the `Rows` view
+        of a projection stored in a fused weight."""
+        rows = fused_rows(self.config, self.kind)
+        if path in rows:
+            fused, start, n = rows[path]
+            return Rows(getattr(self, fused), start, start + n)
+        if not isinstance(path, str):
+            checks.fail("path", "a dot-separated param path (str)", path, TypeError)
+        obj, parts = self, path.split(".")
+        for i, part in enumerate(parts):
+            if not hasattr(obj, part) or (i == 0 and part in ("x_proj", "qr_proj")):
+                checks.fail("path", f"a param path of the V4Attention (it has no "
+                            f"{'.'.join(parts[:i + 1])!r})", repr(path))
+            obj = getattr(obj, part)
+        if not isinstance(obj, nnx.Param):
+            checks.fail("path", "a param path of the V4Attention", repr(path))
+        return obj
+
+    @property
+    def q_a_proj(self) -> Rows:
+        return self.weight("q_a_proj")
+
+    @property
+    def q_b_proj(self) -> Rows:
+        return self.weight("q_b_proj")
+
+    @property
+    def kv_proj(self) -> Rows:
+        return self.weight("kv_proj")
 
     def _check_input(self, x: jax.Array) -> None:
         if x.ndim != 3 or x.shape[-1] != self.config.hidden_size:
@@ -148,27 +248,36 @@ class V4Attention(nnx.Module):
         B, T, _ = x.shape
         inv_freq = rope.inv_frequencies(config, self.kind)
         eps = config.rms_eps
-        q_residual = rms_norm(linear(x, self.q_a_proj[...], p), self.q_a_norm[...], eps)
-        q = linear(q_residual, self.q_b_proj[...], p).reshape(B, T, config.num_heads,
-                                                              config.head_dim)
+        rows = fused_rows(config, self.kind)
+
+        def part(y, path):
+            _, start, n = rows[path]
+            return y[..., start:start + n]
+
+        xw = linear(x, self.x_proj[...], p)
+        q_residual = rms_norm(part(xw, "q_a_proj"), self.q_a_norm[...], eps)
+        qw = linear(q_residual, self.qr_proj[...], p)
+        q = part(qw, "q_b_proj").reshape(B, T, config.num_heads, config.head_dim)
         q = rope.rotate(rms_norm(q, None, eps), positions[..., None], inv_freq)
-        kv = rms_norm(linear(x, self.kv_proj[...], p), self.kv_norm[...], eps)
+        kv = rms_norm(part(xw, "kv_proj"), self.kv_norm[...], eps)
         kv = rope.rotate(kv, positions, inv_freq)
         queries = Queries(q=q, sink=self.sinks[...])
         vectors = LayerVectors(window=kv)
         params = LayerParams()
         if self.compressor is not None:
-            vectors = vectors.replace(compressor=self.compressor.inputs(x, p))
+            vectors = vectors.replace(compressor=CompressorInput(
+                kv=part(xw, "compressor.kv_proj"), gate=part(xw, "compressor.gate_proj")))
             params = params.replace(compressor=self.compressor.params)
         if self.indexer is not None:
-            idx = self.indexer
-            index_q = linear(q_residual, idx.q_b_proj[...], p).reshape(
+            index_q = part(qw, "indexer.q_b_proj").reshape(
                 B, T, config.index_heads, config.index_head_dim)
             queries = queries.replace(
                 index_q=rope.rotate(index_q, positions[..., None], inv_freq),
-                index_weights=linear(x, idx.weights_proj[...], p))
-            vectors = vectors.replace(index_compressor=idx.compressor.inputs(x, p))
-            params = params.replace(index_compressor=idx.compressor.params)
+                index_weights=part(xw, "indexer.weights_proj"))
+            vectors = vectors.replace(index_compressor=CompressorInput(
+                kv=part(xw, "indexer.compressor.kv_proj"),
+                gate=part(xw, "indexer.compressor.gate_proj")))
+            params = params.replace(index_compressor=self.indexer.compressor.params)
         return vectors, queries, params
 
     def __call__(self, x: jax.Array, cache: Cache, plan: append.AppendPlan, ref: LayerRef, *,
