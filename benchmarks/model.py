@@ -46,7 +46,6 @@ from measure import hlo_counts, read_bandwidth, write_result
 
 import v4kv_jax as v4
 from v4kv_jax import append, interop
-from v4kv_jax.attention import output_projection
 from v4kv_jax.nn import Decoder, ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -140,8 +139,7 @@ def projections_only(model: Decoder):
             for block in blocks:
                 attn = block.attn
                 _, queries, _ = attn.vectors(x, positions)
-                x = x + output_projection(queries.q, attn.o_a_proj[...],
-                                          attn.o_b_proj[...], attn.config.o_groups)
+                x = x + attn.output(queries.q)
         return x
 
     return jax.jit(run), params

@@ -14,7 +14,7 @@ from v4kv_jax import interop
 from v4kv_jax.config import LayerKind
 from v4kv_jax.interop import checkpoint, names
 from v4kv_jax.interop.safetensors_io import SafetensorsFile
-from v4kv_jax.nn import Decoder, ModelConfig, V4Attention, fused_rows
+from v4kv_jax.nn import Decoder, ModelConfig, V4Attention, fused_columns
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -33,16 +33,17 @@ def test_table_covers_every_module_param():
         module = V4Attention(MODEL, kind, rngs=nnx.Rngs(0))
         flat = {".".join(str(k) for k in path): v[...]
                 for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
-        rows = fused_rows(MODEL, kind)
+        columns = fused_columns(MODEL, kind)
         expected = names.expected_shapes(MODEL, kind)
-        assert set(flat) == (set(expected) - set(rows)) | {"x_proj", "qr_proj"}, kind.name
-        # Every fused weight is exactly its projections' rows, back to back.
+        stored = {"x_proj", "qr_proj", "out_a_proj", "out_b_proj"}
+        assert set(flat) == (set(expected) - set(columns) - {"o_a_proj", "o_b_proj"}) | stored
+        # Every fused weight is exactly its projections' columns, back to back.
         for fused in ("x_proj", "qr_proj"):
-            spans = sorted((start, n) for f, start, n in rows.values() if f == fused)
+            spans = sorted((start, n) for f, start, n in columns.values() if f == fused)
             assert [s for s, _ in spans] == list(np.cumsum([0] + [n for _, n in spans[:-1]]))
-            assert sum(n for _, n in spans) == flat[fused].shape[0]
-        for path, (fused, _, n) in rows.items():
-            assert expected[path] == (n, flat[fused].shape[1]), path
+            assert sum(n for _, n in spans) == flat[fused].shape[1]
+        for path, (fused, _, n) in columns.items():
+            assert expected[path] == (n, flat[fused].shape[0]), path
         state = interop.attention_state(module)
         assert {k: v.shape for k, v in state.items()} == names.expected_shapes(MODEL, kind)
 

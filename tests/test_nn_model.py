@@ -14,7 +14,7 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax import interop
 from v4kv_jax.config import LayerKind
-from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward, layer_groups
+from v4kv_jax.nn import Decoder, Generator, ModelConfig, V4Attention, forward, layer_groups
 from v4kv_jax.nn.model import MLP
 
 MODEL = v4.tiny(index_heads=16)  # all three kinds; enough indexer heads to avoid score ties
@@ -281,6 +281,41 @@ def test_output_projection_equals_the_grouped_formula():
     got = output_projection(*(jnp.asarray(x, jnp.float32) for x in (o, w_oa, w_ob)), g)
     assert got.shape == (2, 3, D) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    # The layout V4Attention stores: group blocks [g, H hd / g, R] and W_ob transposed.
+    stored = (o, w_oa.reshape(g, R, -1).swapaxes(1, 2), w_ob.T)
+    got = output_projection(*(jnp.asarray(x, jnp.float32) for x in stored), g, layout="in_out")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match=r"layout: expected one of \('out_in', 'in_out'\); "
+                                         r"got 'io'"):
+        output_projection(*stored, g, layout="io")
+
+
+def test_projection_views_read_and_write_the_stored_weights():
+    """Every named projection of a layer is a view of its stored [in, out] weights: writing
+    one changes exactly its part of the stored weight, reading it back gives what was
+    written, stacked layers included; a wrong shape or index is refused by name."""
+    rng = np.random.default_rng(0)
+    for kind in LayerKind:
+        layer = V4Attention(MODEL, kind, rngs=nnx.Rngs(0))
+        before = {k: np.asarray(v) for k, v in interop.attention_state(layer).items()}
+        for path, value in before.items():
+            new = rng.standard_normal(value.shape).astype(np.float32)
+            layer.weight(path)[...] = new
+            after = interop.attention_state(layer)
+            np.testing.assert_array_equal(after[path], new)
+            for other, was in before.items():
+                if other != path:
+                    np.testing.assert_array_equal(after[other], was, err_msg=other)
+            before[path] = new
+    view = layer.weight("q_a_proj")
+    with pytest.raises(ValueError, match=r"value: expected an array of shape \(\d+, \d+\); "
+                                         r"got shape \(3,\)"):
+        view[...] = np.zeros(3, np.float32)
+    with pytest.raises(TypeError, match="index: expected ... "):
+        view[0]
+    with pytest.raises(ValueError, match=r"path: expected a param path of the V4Attention \(it "
+                                         r"has no 'x_proj'\)"):
+        layer.weight("x_proj")
 
 
 def test_unrolled_layers_hold_one_block_per_layer(model):

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import paging, rope, storage
+from v4kv_jax import checks, paging, rope, storage
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options
 from v4kv_jax.layout import visible_entries
 
@@ -218,26 +218,35 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig, option
 
 
 def output_projection(o: jax.Array, w_oa: jax.Array, w_ob: jax.Array, groups: int,
-                      precision=_HIGHEST) -> jax.Array:
+                      precision=_HIGHEST, *, layout: str = "out_in") -> jax.Array:
     """Grouped output projection (SPEC section 6), in fp32: a batched matmul with the group
     as the leading batch axis, then one plain matmul; only activations are transposed, never
     the weights (a transposed weight is a copy of it on every call).
 
     Args:
       o: [..., H, hd] attention output.
-      w_oa: [g * R, H * hd / g], group j uses rows j*R .. (j+1)*R - 1.
-      w_ob: [D, g * R].
+      w_oa: layout "out_in" (the checkpoints'): [g * R, H * hd / g], group j uses rows
+        j*R .. (j+1)*R - 1; "in_out": [g, H * hd / g, R], group j's block transposed.
+      w_ob: "out_in": [D, g * R]; "in_out": [g * R, D].
+      groups: g.
       precision: of both matmuls (the library's reference: HIGHEST; the Flax modules pass
         their own).
+      layout: "out_in" or "in_out", as above (`V4Attention` stores "in_out").
 
     Returns:
       f32[..., D].
     """
+    checks.one_of("layout", layout, ("out_in", "in_out"))
     lead = o.shape[:-2]
     per_group = o.shape[-2] * o.shape[-1] // groups
     x = o.reshape(-1, groups, per_group).astype(jnp.float32).transpose(1, 0, 2)
-    y = jnp.einsum("gni,gri->gnr", x, w_oa.reshape(groups, -1, per_group).astype(jnp.float32),
-                   precision=precision)
+    if layout == "out_in":
+        y = jnp.einsum("gni,gri->gnr", x,
+                       w_oa.reshape(groups, -1, per_group).astype(jnp.float32),
+                       precision=precision)
+    else:
+        y = jnp.einsum("gni,gir->gnr", x, w_oa.astype(jnp.float32), precision=precision)
     y = y.transpose(1, 0, 2).reshape(y.shape[1], -1)
-    return jnp.einsum("ni,oi->no", y, w_ob.astype(jnp.float32),
+    spec = "ni,oi->no" if layout == "out_in" else "ni,io->no"
+    return jnp.einsum(spec, y, w_ob.astype(jnp.float32),
                       precision=precision).reshape(*lead, -1)

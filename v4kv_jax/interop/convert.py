@@ -213,7 +213,7 @@ def checkpoint_tensors(params: Mapping[str, np.ndarray], kind: LayerKind, layout
 
 def param_at(module, path: str):
     """The `nnx.Param` at a dot-separated path of a module (of a `V4Attention`: its
-    `weight(path)`, a `Rows` view for a projection stored in a fused weight)."""
+    `weight(path)`, a `Projection` view for a projection kept in a stored weight)."""
     if isinstance(module, V4Attention):
         return module.weight(path)
     if not isinstance(path, str):

@@ -16,18 +16,24 @@ m the layer's ratio, coff 2 for CSA and 1 for HCA, nI indexer heads of c):
                  indexer.compressor.{kv_proj, gate_proj} [2 c, D]
                  indexer.compressor.ape [m, 2 c]   indexer.compressor.norm [c]
 
-The projections that read the same input are stored as one fused weight, so a layer runs one
+Storage. The projections are stored transposed, [in, out] (a decode step multiplies a few
+rows by each weight, and XLA:CPU reads an [in, out] weight 1.5x faster than an [out, in]
+one), and those that read the same input are fused into one weight, so a layer runs one
 matmul per input instead of up to seven (a decode step is a sequence of small products whose
 count, not their bytes, sets its time; `benchmarks/model.py`):
 
-  x_proj   [sum, D]  the rows of q_a_proj, kv_proj, compressor.kv_proj, compressor.gate_proj,
-                     indexer.weights_proj, indexer.compressor.kv_proj,
-                     indexer.compressor.gate_proj (those the kind has, in this order)
-  qr_proj  [sum, q]  the rows of q_b_proj, then indexer.q_b_proj (CSA)
+  x_proj      [D, sum]          the columns of q_a_proj, kv_proj, compressor.kv_proj,
+                                compressor.gate_proj, indexer.weights_proj,
+                                indexer.compressor.kv_proj, indexer.compressor.gate_proj
+                                (those the kind has, in this order)
+  qr_proj     [q, sum]          the columns of q_b_proj, then indexer.q_b_proj (CSA)
+  out_a_proj  [g, H hd / g, R]  o_a_proj, group j's block transposed
+  out_b_proj  [g R, D]          o_b_proj transposed
 
-Each named projection above stays addressable: `layer.weight(path)` gives a view of its rows
-that reads and writes like an `nnx.Param` (`view[...]`, `view[...] = w`; stacked layers keep
-their leading axis), and `q_a_proj`, `q_b_proj`, `kv_proj` are properties returning it.
+Each projection of the table above stays addressable in the checkpoint layout [out, in]:
+`layer.weight(path)` gives a `Projection` view that reads and writes like an `nnx.Param`
+(`view[...]`, `view[...] = w`; stacked layers keep their leading axis); `q_a_proj`,
+`q_b_proj`, `kv_proj`, `o_a_proj` and `o_b_proj` are properties returning it.
 `v4kv_jax.interop` maps the names to and from transformers 5.23.0 and the official
 checkpoint through these views.
 """
@@ -61,6 +67,12 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float, dtype) -> nnx.Pa
 def _projection(rngs: nnx.Rngs, out_dim: int, in_dim: int, dtype) -> nnx.Param:
     """A weight [out, in] with entries N(0, 1 / in)."""
     return _normal(rngs, (out_dim, in_dim), in_dim**-0.5, dtype)
+
+
+def _matmul(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
+    """x [..., in] @ weight[in, out] in fp32: [..., out]."""
+    return jnp.einsum("...i,io->...o", x.astype(jnp.float32), weight.astype(jnp.float32),
+                      precision=precision)
 
 
 def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
@@ -99,56 +111,76 @@ class Indexer(nnx.Module):
                                      bias_scale=bias_scale)
 
 
-class Rows:
-    """Rows [start, stop) of a fused weight [..., out, in], read and written like an
-    `nnx.Param`: `rows[...]` is the [..., stop - start, in] block, `rows[...] = w` replaces
-    it (the rest of the fused weight is kept)."""
+class Projection:
+    """A projection [..., out, in] (the checkpoints' layout) held in a stored weight of the
+    module, read and written like an `nnx.Param`: `view[...]` is the projection, `view[...]
+    = w` replaces it (the rest of the stored weight is kept).
 
-    def __init__(self, param: nnx.Param, start: int, stop: int):
-        self.param, self.start, self.stop = param, start, stop
+    The stored weight is [..., in, n] holding the projection as its columns [start, stop),
+    or, `grouped`, [..., g, in / g, R] holding a grouped projection [g R, in / g] (group j's
+    rows j R .. (j + 1) R - 1 as block j, transposed)."""
+
+    def __init__(self, param: nnx.Param, start: int = 0, stop: int | None = None, *,
+                 grouped: bool = False):
+        self.param, self.start, self.stop, self.grouped = param, start, stop, grouped
 
     @staticmethod
     def _whole(index) -> None:
         if index is not Ellipsis:
-            checks.fail("index", "... (a projection's rows are read and written whole)",
-                        repr(index), TypeError)
+            checks.fail("index", "... (a projection is read and written whole)", repr(index),
+                        TypeError)
+
+    def _named(self, stored: jax.Array) -> jax.Array:
+        if self.grouped:
+            *lead, g, i, r = stored.shape
+            return jnp.swapaxes(stored, -1, -2).reshape(*lead, g * r, i)
+        return jnp.swapaxes(stored[..., self.start:self.stop], -1, -2)
 
     def __getitem__(self, index) -> jax.Array:
         self._whole(index)
-        return self.param[...][..., self.start:self.stop, :]
+        return self._named(self.param[...])
 
     def __setitem__(self, index, value) -> None:
         self._whole(index)
-        full = self.param[...]
-        want = (*full.shape[:-2], self.stop - self.start, full.shape[-1])
-        value = jnp.asarray(value, full.dtype)
+        stored = self.param[...]
+        want = self._named(stored).shape
+        value = jnp.asarray(value, stored.dtype)
         if value.shape != want:
             checks.fail("value", f"an array of shape {want}", f"shape {value.shape}")
-        self.param[...] = full.at[..., self.start:self.stop, :].set(value)
+        if self.grouped:
+            *lead, g, i, r = stored.shape
+            self.param[...] = jnp.swapaxes(value.reshape(*lead, g, r, i), -1, -2)
+        else:
+            self.param[...] = stored.at[..., self.start:self.stop].set(
+                jnp.swapaxes(value, -1, -2))
 
 
-def fused_rows(config: AttentionConfig, kind: LayerKind) -> dict[str, tuple[str, int, int]]:
-    """{projection path: (fused weight, first row, row count)} of a layer of `kind`, in the
-    order the fused weights hold them (see the module docstring)."""
+def fused_columns(config: AttentionConfig, kind: LayerKind) -> dict[str, tuple[str, int, int]]:
+    """{projection path: (stored weight, first column, columns)} of the projections a layer
+    of `kind` keeps in its fused weights `x_proj` and `qr_proj`, in their order (see the
+    module docstring)."""
     kind = LayerKind(kind)
-    x_rows = [("q_a_proj", config.q_lora_rank), ("kv_proj", config.head_dim)]
-    q_rows = [("q_b_proj", config.num_heads * config.head_dim)]
+    x_cols = [("q_a_proj", config.q_lora_rank), ("kv_proj", config.head_dim)]
+    q_cols = [("q_b_proj", config.num_heads * config.head_dim)]
     if kind != LayerKind.SWA:
         width = (2 if kind == LayerKind.CSA else 1) * config.head_dim
-        x_rows += [("compressor.kv_proj", width), ("compressor.gate_proj", width)]
+        x_cols += [("compressor.kv_proj", width), ("compressor.gate_proj", width)]
     if kind == LayerKind.CSA:
         c = config.index_head_dim
-        x_rows += [("indexer.weights_proj", config.index_heads),
+        x_cols += [("indexer.weights_proj", config.index_heads),
                    ("indexer.compressor.kv_proj", 2 * c),
                    ("indexer.compressor.gate_proj", 2 * c)]
-        q_rows += [("indexer.q_b_proj", config.index_heads * c)]
+        q_cols += [("indexer.q_b_proj", config.index_heads * c)]
     out = {}
-    for fused, rows in (("x_proj", x_rows), ("qr_proj", q_rows)):
+    for stored, cols in (("x_proj", x_cols), ("qr_proj", q_cols)):
         start = 0
-        for path, n in rows:
-            out[path] = (fused, start, n)
+        for path, n in cols:
+            out[path] = (stored, start, n)
             start += n
     return out
+
+
+_STORED = ("x_proj", "qr_proj", "out_a_proj", "out_b_proj")
 
 
 class V4Attention(nnx.Module):
@@ -176,8 +208,8 @@ class V4Attention(nnx.Module):
         drawn["q_b_proj"] = _projection(rngs, H * hd, config.q_lora_rank, param_dtype)
         drawn["kv_proj"] = _projection(rngs, hd, D, param_dtype)
         self.kv_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
-        self.o_a_proj = _projection(rngs, g * R, H * hd // g, param_dtype)
-        self.o_b_proj = _projection(rngs, D, g * R, param_dtype)
+        drawn["o_a_proj"] = _projection(rngs, g * R, H * hd // g, param_dtype)
+        drawn["o_b_proj"] = _projection(rngs, D, g * R, param_dtype)
         self.sinks = _normal(rngs, (H,), bias_scale, jnp.float32)
         compressor = indexer = None
         if self.kind != LayerKind.SWA:
@@ -195,24 +227,32 @@ class V4Attention(nnx.Module):
             indexer = Indexer(config, rngs=rngs, bias_scale=bias_scale)
         self.compressor = nnx.data(compressor)
         self.indexer = nnx.data(indexer)
-        rows = fused_rows(config, self.kind)
-        for fused in ("x_proj", "qr_proj"):
-            parts = [drawn[path][...] for path, (f, _, _) in rows.items() if f == fused]
-            setattr(self, fused, nnx.Param(jnp.concatenate(parts, axis=0)))
+        columns = fused_columns(config, self.kind)
+        for stored in ("x_proj", "qr_proj"):
+            parts = [drawn[path][...].T for path, (name, _, _) in columns.items()
+                     if name == stored]
+            setattr(self, stored, nnx.Param(jnp.concatenate(parts, axis=1)))
+        o_a = drawn["o_a_proj"][...]
+        self.out_a_proj = nnx.Param(o_a.reshape(g, R, -1).swapaxes(1, 2))
+        self.out_b_proj = nnx.Param(drawn["o_b_proj"][...].T)
 
     def weight(self, path: str):
         """The param at `path` (a name of the module docstring's table, e.g. "q_a_proj",
-        "compressor.ape", "indexer.compressor.kv_proj"): the `nnx.Param`, or the `Rows` view
-        of a projection stored in a fused weight."""
-        rows = fused_rows(self.config, self.kind)
-        if path in rows:
-            fused, start, n = rows[path]
-            return Rows(getattr(self, fused), start, start + n)
+        "compressor.ape", "indexer.compressor.kv_proj"): an `nnx.Param`, or the `Projection`
+        view of a projection (checkpoint layout [out, in]) kept in a stored weight."""
         if not isinstance(path, str):
             checks.fail("path", "a dot-separated param path (str)", path, TypeError)
+        columns = fused_columns(self.config, self.kind)
+        if path in columns:
+            stored, start, n = columns[path]
+            return Projection(getattr(self, stored), start, start + n)
+        if path == "o_a_proj":
+            return Projection(self.out_a_proj, grouped=True)
+        if path == "o_b_proj":
+            return Projection(self.out_b_proj)
         obj, parts = self, path.split(".")
         for i, part in enumerate(parts):
-            if not hasattr(obj, part) or (i == 0 and part in ("x_proj", "qr_proj")):
+            if not hasattr(obj, part) or (i == 0 and part in _STORED):
                 checks.fail("path", f"a param path of the V4Attention (it has no "
                             f"{'.'.join(parts[:i + 1])!r})", repr(path))
             obj = getattr(obj, part)
@@ -221,16 +261,30 @@ class V4Attention(nnx.Module):
         return obj
 
     @property
-    def q_a_proj(self) -> Rows:
+    def q_a_proj(self) -> Projection:
         return self.weight("q_a_proj")
 
     @property
-    def q_b_proj(self) -> Rows:
+    def q_b_proj(self) -> Projection:
         return self.weight("q_b_proj")
 
     @property
-    def kv_proj(self) -> Rows:
+    def kv_proj(self) -> Projection:
         return self.weight("kv_proj")
+
+    @property
+    def o_a_proj(self) -> Projection:
+        return self.weight("o_a_proj")
+
+    @property
+    def o_b_proj(self) -> Projection:
+        return self.weight("o_b_proj")
+
+    def output(self, o: jax.Array) -> jax.Array:
+        """The grouped output projection (SPEC section 6) of the attention output o
+        [..., H, hd]: f32 [..., D] (`v4kv_jax.output_projection` with the stored layout)."""
+        return output_projection(o, self.out_a_proj[...], self.out_b_proj[...],
+                                 self.config.o_groups, self.precision, layout="in_out")
 
     def _check_input(self, x: jax.Array) -> None:
         if x.ndim != 3 or x.shape[-1] != self.config.hidden_size:
@@ -248,15 +302,15 @@ class V4Attention(nnx.Module):
         B, T, _ = x.shape
         inv_freq = rope.inv_frequencies(config, self.kind)
         eps = config.rms_eps
-        rows = fused_rows(config, self.kind)
+        columns = fused_columns(config, self.kind)
 
         def part(y, path):
-            _, start, n = rows[path]
+            _, start, n = columns[path]
             return y[..., start:start + n]
 
-        xw = linear(x, self.x_proj[...], p)
+        xw = _matmul(x, self.x_proj[...], p)
         q_residual = rms_norm(part(xw, "q_a_proj"), self.q_a_norm[...], eps)
-        qw = linear(q_residual, self.qr_proj[...], p)
+        qw = _matmul(q_residual, self.qr_proj[...], p)
         q = part(qw, "q_b_proj").reshape(B, T, config.num_heads, config.head_dim)
         q = rope.rotate(rms_norm(q, None, eps), positions[..., None], inv_freq)
         kv = rms_norm(part(xw, "kv_proj"), self.kv_norm[...], eps)
@@ -300,8 +354,7 @@ class V4Attention(nnx.Module):
                              f"{self.kind.name}")
         vectors, queries, params = self.vectors(x, plan.positions(x.shape[1]))
         cache, o = step.layer_step(cache, plan, ref, vectors, queries, params, options=options)
-        return cache, output_projection(o, self.o_a_proj[...], self.o_b_proj[...],
-                                        self.config.o_groups, self.precision)
+        return cache, self.output(o)
 
     def step(self, x: jax.Array, cache: Cache, *, slot_ids, n_new, layer: int,
              options: Options | None = None) -> tuple[Cache, jax.Array]:
