@@ -94,6 +94,7 @@ class V4Stack:
             return append.end_append(cache, plan), y
 
         self._run = jax.jit(run, donate_argnums=1)
+        self._counts = {}
 
     def new_cache(self):
         cache = v4.init_cache(self.config, self.geometry)
@@ -103,8 +104,9 @@ class V4Stack:
 
     def __call__(self, cache, x):
         """Appends x [B, T, D] (T = 1 or the chunk); returns (cache, y)."""
-        n = jnp.full((self.batch,), x.shape[1], jnp.int32)
-        return self._run(self.params, cache, x, n)
+        if x.shape[1] not in self._counts:  # made once: a decode loop keeps its arrays
+            self._counts[x.shape[1]] = jnp.full((self.batch,), x.shape[1], jnp.int32)
+        return self._run(self.params, cache, x, self._counts[x.shape[1]])
 
     def prefill(self, x) -> tuple[object, float]:
         """A fresh cache filled with x [B, L, D] in chunks; (cache, seconds)."""

@@ -58,12 +58,12 @@ class Program:
         self.donate, self.static = tuple(donate), tuple(static)
         self._traces = 0
         self._compiling: float | None = None  # when this call's trace started
-        self._outermost = True  # the call is not inside another program's trace
+        self._call = None  # the arguments of the call in progress
 
         @functools.wraps(fn)
         def traced(*args, **kwargs):
             self._traces += 1  # the Python body runs only while jax traces it
-            if self._compiling is None and self._outermost:
+            if self._compiling is None and self._outermost():
                 self._compiling = time.perf_counter()
                 log.info("compiling %s (its first call with these shapes and statics)",
                          self.name)
@@ -78,16 +78,22 @@ class Program:
         args = [committed_together(x) if i in self._donated_at else x
                 for i, x in enumerate(args)]
         kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
-        # Inside another program's trace this call compiles nothing of its own.
-        self._outermost = not any(isinstance(x, jax.core.Tracer)
-                                  for x in jax.tree.leaves((args, kwargs)))
+        self._call = (args, kwargs)
         try:
             return self._jitted(*args, **kwargs)
         finally:
+            self._call = None
             if self._compiling is not None:
                 log.info("compiled %s in %.2f s", self.name,
                          time.perf_counter() - self._compiling)
                 self._compiling = None
+
+    def _outermost(self) -> bool:
+        """Whether the call being traced came from outside any trace: inside another
+        program's trace (its arguments are tracers) it compiles nothing of its own. Looked at
+        only when a call traces, so a call that runs a compiled program does not walk its
+        arguments."""
+        return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(self._call))
 
     @property
     def traces(self) -> int:
