@@ -49,8 +49,9 @@ from v4kv_jax import append, interop
 from v4kv_jax.nn import Decoder, ModelConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Ratios (this machine's absolute speed moves by 3x from one day to the next).
 TARGETS = dict(decode_speedup_at_4k=8.0, decode_x_roofline_at_4k=2.0,
-               prefill_tok_s_at_4k=5000.0)
+               prefill_speedup_at_4k=5.0)
 
 
 def config_s() -> v4.AttentionConfig:
@@ -371,9 +372,11 @@ def check_targets(rows) -> dict:
             reached=round(at4k["v4_x_roofline"], 2),
             want=f"<= {TARGETS['decode_x_roofline_at_4k']}",
             met=at4k["v4_x_roofline"] <= TARGETS["decode_x_roofline_at_4k"])
-    out["prefill_tok_s_at_4k"] = dict(
-        reached=round(at4k["v4_prefill_tok_s"]), want=f">= {TARGETS['prefill_tok_s_at_4k']:.0f}",
-        met=at4k["v4_prefill_tok_s"] >= TARGETS["prefill_tok_s_at_4k"])
+    if at4k.get("torch_prefill_tok_s"):
+        ratio = at4k["v4_prefill_tok_s"] / at4k["torch_prefill_tok_s"]
+        out["prefill_speedup_at_4k"] = dict(
+            reached=round(ratio, 2), want=f">= {TARGETS['prefill_speedup_at_4k']}",
+            met=ratio >= TARGETS["prefill_speedup_at_4k"])
     return out
 
 
