@@ -11,6 +11,9 @@ keys, the online HCA tail, and what they cost.
 * Bytes: the memory report and `v4kv memory` in the stored formats (V4-Flash: 3,514.25 B per
   token, 5,057,544 B of State per request), equal to the arrays' own sizes.
 * Poisoned packed pools never leak; snapshots carry packed windows and online tails.
+* Decoding packed rows equals an independent numpy decoder of the documented byte layout bit
+  for bit: every e4m3 code and e2m1 nibble at every scale byte, every bf16 RoPE half, random
+  words and the NaN-poison rows.
 """
 
 from __future__ import annotations
@@ -278,6 +281,142 @@ def test_memory_report_counts_the_stored_bytes(formats):
         assert pools.csa_entries(cache).index_keys.shape == (1, 3, 32, 17)
         assert pools.csa_entries(cache).c4.dtype == jnp.uint32
         assert isinstance(pools.hca_tail(cache), pools.OnlineTail)
+
+
+# --- decoding packed rows, bit for bit -------------------------------------------------------
+# An independent numpy decoder, written from the byte layout in storage's docstring (field j of
+# a word w at bits [b j, b j + b)) and the formats' definitions, in float64 (every product
+# q * 2^k is exact there) rounded once to fp32.
+
+F32_TINY = np.finfo(np.float32).tiny
+
+
+def _np_fields(words, bits):
+    """uint32 words [..., n] -> their `bits`-wide fields [..., n * 32 / bits], low bits first."""
+    words = np.asarray(words, np.uint32).astype(np.uint64)
+    shifts = bits * np.arange(32 // bits, dtype=np.uint64)
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:-1], -1)
+
+
+def _np_e4m3(c):
+    sign, e, m = c >> 7, (c >> 3) & 15, (c & 7).astype(np.float64)
+    mag = np.where(e == 0, m / 8 * 2.0**-6, (1 + m / 8) * 2.0 ** (e.astype(np.float64) - 7))
+    mag = np.where((e == 15) & (c & 7 == 7), np.nan, mag)
+    return np.where(sign == 1, -mag, mag)
+
+
+def _np_e2m1(c):
+    sign, e, m = c >> 3, (c >> 1) & 3, (c & 1).astype(np.float64)
+    mag = np.where(e == 0, m / 2, (1 + m / 2) * 2.0 ** (e.astype(np.float64) - 1))
+    return np.where(sign == 1, -mag, mag)
+
+
+def _np_scaled(q, scale_bytes, block, flush):
+    """fp32 q * 2^(byte - 127) per block (byte 0xFF: NaN). flush: the platform flushes fp32
+    subnormals (XLA on CPU): scale byte 0 (2^-127) reads as 0 and subnormal products as 0."""
+    b = np.repeat(scale_bytes.astype(np.float64), block, axis=-1)
+    scale = np.where(b == 255, np.nan, 2.0 ** (b - 127))
+    if flush:
+        scale = np.where(b == 0, 0.0, scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = (q * scale).astype(np.float32)
+    if flush:
+        v = np.where(np.abs(v) < F32_TINY, np.copysign(np.float32(0), v), v)
+    return v
+
+
+def np_decode_fp8(words, hd, r):
+    nope, nb = hd - r, (hd - r) // 64
+    b = _np_fields(words, 8)
+    halves = _np_fields(words[..., nope // 4:nope // 4 + r // 2], 16).astype(np.uint32)
+    rope = (halves << 16).view(np.float32)
+    return [np.concatenate([_np_scaled(_np_e4m3(b[..., :nope]), b[..., nope + 2 * r:][..., :nb],
+                                       64, flush), rope], axis=-1) for flush in (True, False)]
+
+
+def np_decode_fp4(words, c):
+    q = _np_e2m1(_np_fields(words[..., :c // 8], 4))
+    scale_bytes = _np_fields(words[..., c // 8:], 8)[..., :c // 32]
+    return [_np_scaled(q, scale_bytes, 32, flush) for flush in (True, False)]
+
+
+def _bits_equal(got, want):
+    """Same fp32 bits, NaN at the same places (NaN payloads aside)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    nan = np.isnan(got)
+    return (got.shape == want.shape and np.array_equal(nan, np.isnan(want))
+            and np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan]))
+
+
+def _assert_decodes_like_numpy(codec, words):
+    """The jitted codec decode of `words` equals the numpy decoder under one of the two fp32
+    subnormal conventions (the whole array under the same one)."""
+    words = np.asarray(words, np.uint32)
+    got = np.asarray(jax.jit(codec.decode)(jnp.asarray(words)))
+    wants = (np_decode_fp8(words, codec.width, codec.rope_dim) if codec.fmt == "fp8_latent"
+             else np_decode_fp4(words, codec.width))
+    assert any(_bits_equal(got, want) for want in wants), codec
+    return got
+
+
+def _words(byte_rows):
+    """uint8 [..., 4 n] -> uint32 [..., n], byte j of word w at bits [8 j, 8 j + 8)."""
+    b = np.asarray(byte_rows, np.uint32).reshape(*np.shape(byte_rows)[:-1], -1, 4)
+    return b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+
+
+def test_narrowing_bitcasts_split_a_word_low_field_first():
+    """The decoders split words with XLA's narrowing bitcast-convert: the documented order."""
+    split = jax.jit(lambda w: [jax.lax.bitcast_convert_type(w, t).astype(jnp.uint32)
+                               for t in (jnp.uint4, jnp.uint8, jnp.uint16)])
+    nibbles, octets, halves = (np.asarray(x)[0] for x in split(jnp.uint32([0x87654321])))
+    np.testing.assert_array_equal(nibbles, [1, 2, 3, 4, 5, 6, 7, 8])
+    np.testing.assert_array_equal(octets, [0x21, 0x43, 0x65, 0x87])
+    np.testing.assert_array_equal(halves, [0x4321, 0x8765])
+    bf16 = jax.jit(lambda w: jax.lax.bitcast_convert_type(w, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(bf16(jnp.uint32([0x3F804000]))[0], [2.0, 1.0])
+
+
+def test_every_e4m3_code_at_every_scale_and_every_bf16_half_decode_exactly():
+    # hd 512 with r 256: row s holds the 256 codes (4 blocks, scale byte s in each) and the
+    # bf16 patterns 256 s .. 256 s + 255, so the 256 rows cover every code x scale byte pair
+    # and every bf16 pattern once.
+    codec = storage.RowCodec("fp8_latent", 512, 256)
+    every = np.arange(256, dtype=np.uint8)
+    halves = np.arange(1 << 16, dtype=np.uint32).reshape(256, 256)
+    rows = np.concatenate([np.tile(every, (256, 1)),
+                           np.stack([halves & 0xFF, halves >> 8], -1).reshape(256, 512),
+                           np.repeat(every[:, None], 4, axis=1)], axis=1)
+    got = _assert_decodes_like_numpy(codec, _words(rows))
+    nan_codes = np.isnan(got[:, :256])
+    assert nan_codes[:, [0x7F, 0xFF]].all() and nan_codes[255].all()
+    assert nan_codes.sum() == 2 * 255 + 256
+
+
+def test_every_e2m1_nibble_at_every_scale_decodes_exactly():
+    codec = storage.RowCodec("fp4_index", 32)
+    nibbles = np.tile(np.arange(16, dtype=np.uint8), 2)
+    codes = nibbles[0::2] | nibbles[1::2] << 4
+    rows = np.concatenate([np.tile(codes, (256, 1)), np.arange(256, dtype=np.uint8)[:, None],
+                           np.zeros((256, 3), np.uint8)], axis=1)
+    got = _assert_decodes_like_numpy(codec, _words(rows))
+    assert np.isnan(got[255]).all() and not np.isnan(got[:255]).any()
+
+
+@pytest.mark.parametrize("fmt, width, rope_dim", [
+    ("fp8_latent", 512, 64), ("fp8_latent", 128, 64), ("fp8_latent", 80, 16),
+    ("fp8_latent", 64, 0), ("fp8_latent", 194, 2),
+    ("fp4_index", 32, 0), ("fp4_index", 64, 0), ("fp4_index", 128, 0)])
+def test_random_and_nan_poison_rows_decode_exactly(fmt, width, rope_dim):
+    codec = storage.RowCodec(fmt, width, rope_dim)
+    rng = np.random.default_rng(width + rope_dim)
+    words = rng.integers(0, 1 << 32, (3, 40, codec.stored_width), dtype=np.uint32)
+    words[1, :4] = np.asarray(codec.filled(float("nan")))
+    got = _assert_decodes_like_numpy(codec, words)
+    assert np.isnan(got[1, :4]).all()
+    # encoded rows too, across magnitudes
+    x = rng.standard_normal((2, 30, width)) * 10.0 ** rng.uniform(-30, 30, (2, 30, 1))
+    _assert_decodes_like_numpy(codec, jax.jit(codec.encode)(jnp.asarray(x, jnp.float32)))
 
 
 # --- configuration errors ---------------------------------------------------------------------

@@ -11,7 +11,8 @@ are rotated back by -t. Everything is one online softmax (running max, sum, weig
 started from the sink, so the window and the entry chunks fold into it in any order.
 
 Keys are read as stored (`CacheConfig.window_dtype` for the window, `entry_dtype` for C4 and
-C128 entries) and decoded to fp32 by their `storage.RowCodec` right after the read; a key
+C128 entries) and decoded to fp32 by their `storage.RowCodec` once, where they are folded
+(key sets joined for one query per slot are joined as stored, then decoded together); a key
 no query may see is then replaced by zeros with `where` before any arithmetic.
 
 Shapes: q f32[B, T, H, hd]; window keys [B, Wk, sw(hd)] (as stored) at positions
@@ -80,13 +81,23 @@ def _softmax_fold(state: _Softmax, q: jax.Array, keys: jax.Array, visible: jax.A
 
 
 def _fold_key_sets(state: _Softmax, q: jax.Array, key_sets, join: bool) -> _Softmax:
-    """Folds (keys, visible) sets into the softmax; with `join` (T = 1) into one set."""
+    """Folds (stored keys, their `storage.RowCodec`, visible) sets into the softmax, each
+    stored array decoded once; with `join` (T = 1) into one set. Joined sets of one codec
+    are joined as stored and decoded together: one decode pass over all the rows instead of
+    one per set and a copy of the decoded rows (the decode is row by row, so the values are
+    the same)."""
     if join and len(key_sets) > 1:
-        per_slot = [k[:, 0] if k.ndim == 4 else k for k, _ in key_sets]
-        key_sets = [(jnp.concatenate(per_slot, axis=1),
-                     jnp.concatenate([v for _, v in key_sets], axis=2))]
-    for keys, visible in key_sets:
-        state = _softmax_fold(state, q, keys, visible)
+        per_slot = [k[:, 0] if k.ndim == 4 else k for k, _, _ in key_sets]
+        codecs = {codec for _, codec, _ in key_sets}
+        if len(codecs) == 1:
+            keys = codecs.pop().decode(jnp.concatenate(per_slot, axis=1))
+        else:
+            keys = jnp.concatenate([codec.decode(k) for k, (_, codec, _) in
+                                    zip(per_slot, key_sets, strict=True)], axis=1)
+        visible = jnp.concatenate([v for _, _, v in key_sets], axis=2)
+        return _softmax_fold(state, q, keys, visible)
+    for keys, codec, visible in key_sets:
+        state = _softmax_fold(state, q, codec.decode(keys), visible)
     return state
 
 
@@ -132,11 +143,11 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
     visible = ((key_pos[:, None, :] <= q_pos[..., None])
                & (key_pos[:, None, :] > q_pos[..., None] - model.window)
                & readable[:, None, :])
-    # Key sets (f32 [B, K, hd] per slot or [B, T, K, hd] per query, visible [B, T, K]) folded
-    # into one softmax. With one query per slot they are joined first: one pair of dots per
-    # layer.
+    # Key sets (stored rows [B, K, sw] per slot or [B, T, K, sw] per query, their codec,
+    # visible [B, T, K]) folded into one softmax, decoded there. With one query per slot they
+    # are joined first: one decode and one pair of dots per layer.
     state = _softmax_init(sink, q)
-    key_sets = [(storage.codec(model, geometry, "window").decode(window_keys), visible)]
+    key_sets = [(window_keys, storage.codec(model, geometry, "window"), visible)]
 
     if kind == LayerKind.HCA:
         m = model.hca_ratio
@@ -148,7 +159,7 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
         def chunk(page_ids, first):
             ent, present = paging.gather_pages(entries, layer, page_ids)
             idx = first + jnp.arange(ent.shape[1], dtype=jnp.int32)
-            return codec.decode(ent), (idx[None, None, :] < seen[..., None]) & present[:, None, :]
+            return ent, codec, (idx[None, None, :] < seen[..., None]) & present[:, None, :]
 
         if page_rows.shape[1] <= chunk_pages:  # one read covers every page: no loop
             key_sets.append(chunk(page_rows, 0))
@@ -157,13 +168,14 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
             key_sets = []
             state = paging.fold_page_chunks(
                 page_rows, kv_end // m, epp, chunk_pages,
-                lambda state, ids, first: _softmax_fold(state, q, *chunk(ids, first)), state)
+                lambda state, ids, first: _fold_key_sets(state, q, [chunk(ids, first)], join),
+                state)
     elif kind == LayerKind.CSA:
         if picks is None:
             raise ValueError("picks: expected the indexer's picks i32[B, T, k] for a CSA layer; "
                              "got None")
         picked, present = paging.gather_entries(entries, layer, page_rows, picks)
-        key_sets.append((storage.codec(model, geometry, "csa").decode(picked), present))
+        key_sets.append((picked, storage.codec(model, geometry, "csa"), present))
 
     state = _fold_key_sets(state, q, key_sets, join)
     out = state.acc / state.denom[..., None]

@@ -84,6 +84,7 @@ fake-quantisation, `act_quant` with power-of-two scales):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -173,12 +174,16 @@ def _pack(parts: jax.Array, bits: int) -> jax.Array:
     return jnp.sum(parts << shifts, axis=-1, dtype=jnp.uint32)
 
 
-def _unpack(words: jax.Array, bits: int) -> jax.Array:
-    """Inverse of `_pack`: uint32 [..., n] -> uint32 [..., n * 32 / bits]."""
-    per = 32 // bits
-    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-    fields = (words[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    return fields.reshape(*words.shape[:-1], -1)
+def _fields(words: jax.Array, dtype) -> jax.Array:
+    """Inverse of `_pack` for `dtype` = uint4 / uint8 / uint16 fields: uint32 [..., n] ->
+    uint32 [..., n * 32 / bits], field j of word w being (w >> bits j) & (2^bits - 1).
+
+    A `lax.bitcast_convert_type` to the narrower dtype: XLA defines a narrowing bitcast-convert
+    by exactly these shifts (its CPU and GPU compilers expand it so, `BitcastDtypesExpander`),
+    whatever the host's byte order, and fuses them into the consumer with constant shift
+    amounts; `tests/test_formats.py` pins the order."""
+    fields = lax.bitcast_convert_type(words, dtype)
+    return fields.reshape(*words.shape[:-1], -1).astype(jnp.uint32)
 
 
 def _scale_bytes(x: jax.Array, block: int, fmax: float, floor: np.float32) -> jax.Array:
@@ -204,6 +209,40 @@ def _pad_bytes(b: jax.Array) -> jax.Array:
 
 def _per_block(scales: jax.Array, block: int) -> jax.Array:
     return jnp.repeat(scales, block, axis=-1)
+
+
+def _f32(bits: jax.Array) -> jax.Array:
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _block_scaled(q: jax.Array, scale_words: jax.Array, block: int) -> jax.Array:
+    """q f32 [..., nb * block] times the ue8m0 scale of its block (the scale bytes are the
+    leading nb bytes of `scale_words`), as f32 [..., nb, block] (exact: q * 2^k)."""
+    nb = q.shape[-1] // block
+    scales = _scale_values(_fields(scale_words, jnp.uint8)[..., :nb])
+    return q.reshape(*q.shape[:-1], nb, block) * scales[..., None]
+
+
+def _e4m3_values(codes: jax.Array) -> jax.Array:
+    """f32 values of e4m3fn codes (uint32 0..255), bit for bit XLA's float8_e4m3fn -> f32
+    conversion (sign kept on zeros, codes 0x7F / 0xFF NaN), in vectorisable integer steps:
+    a normal code (exponent field e >= 1) is the fp32 with bits (code & 0x7F) << 20 re-biased
+    by 120 << 23; a subnormal one (e = 0, mantissa m) is m * 2^-9, an exact fp32 product (no
+    fp32 subnormal appears, so flushing them does not matter); then the sign bit."""
+    mag = codes & 0x7F
+    normal = _f32((mag << 20) + (120 << 23))
+    value = jnp.where(mag < 8, (mag & 7).astype(jnp.float32) * np.float32(2.0 ** -9), normal)
+    value = jnp.where(mag == _FP8_NAN, np.float32(np.nan), value)
+    return _f32(lax.bitcast_convert_type(value, jnp.uint32) | ((codes & 0x80) << 24))
+
+
+def _e2m1_values(codes: jax.Array) -> jax.Array:
+    """f32 values of e2m1 codes (uint32 0..15; sign in bit 3), by integer steps (no table
+    gather): magnitude code k >= 2 (exponent field >= 1) is the fp32 with bits
+    (k << 22) + (126 << 23), i.e. (1 + m / 2) 2^(e - 1); k = 1 is 0.5 (126 << 23), k = 0 zero."""
+    mag = codes & 7
+    bits = jnp.where(mag < 2, mag * np.uint32(126 << 23), (mag << 22) + (126 << 23))
+    return _f32(bits | ((codes & 8) << 28))
 
 
 # --- fp8 latent -------------------------------------------------------------------------------
@@ -233,14 +272,19 @@ def decode_fp8_latent(packed: jax.Array, head_dim: int, rope_dim: int) -> jax.Ar
         raise ValueError(f"fp8_latent: rows of {head_dim} / {rope_dim} are "
                          f"{stored_width(head_dim, 'fp8_latent', rope_dim)} words; got "
                          f"{packed.shape[-1]}")
-    n_codes, n_rope = nope // 4, rope_dim // 2
-    codes = _unpack(packed[..., :n_codes], 8).astype(jnp.uint8)
-    q = lax.bitcast_convert_type(codes, jnp.float8_e4m3fn).astype(jnp.float32)
-    scales = _scale_values(_unpack(packed[..., n_codes + n_rope:], 8)[..., :nb])
-    main = q * _per_block(scales, FP8_BLOCK)
-    half = _unpack(packed[..., n_codes:n_codes + n_rope], 16).astype(jnp.uint16)
-    rope = lax.bitcast_convert_type(half, jnp.bfloat16).astype(jnp.float32)
-    return jnp.concatenate([main, rope], axis=-1)
+    n_codes, n_rope, lead = nope // 4, rope_dim // 2, packed.shape[:-1]
+    q = _e4m3_values(_fields(packed[..., :n_codes], jnp.uint8))
+    main = _block_scaled(q, packed[..., n_codes + n_rope:], FP8_BLOCK)
+    if not rope_dim:
+        return main.reshape(*lead, head_dim)
+    # bf16 pairs of the RoPE words (the low half first), widened exactly.
+    rope = lax.bitcast_convert_type(packed[..., n_codes:n_codes + n_rope], jnp.bfloat16)
+    rope = rope.astype(jnp.float32)
+    # Joined along a middle axis of g-wide groups: XLA:CPU vectorises that concatenation, while
+    # one along the last axis makes the fused decode a scalar loop (several times slower).
+    g = math.gcd(nope, rope_dim)
+    return jnp.concatenate([main.reshape(*lead, nope // g, g), rope.reshape(*lead, -1, g)],
+                           axis=-2).reshape(*lead, head_dim)
 
 
 # --- fp4 indexer keys -------------------------------------------------------------------------
@@ -288,15 +332,17 @@ def encode_fp4_key(k: jax.Array, rotated: bool = False) -> jax.Array:
 
 def decode_fp4_key(packed: jax.Array, width: int) -> jax.Array:
     """f32 [..., width] ROTATED dequantised keys (compare with `hadamard(q)`) of fp4_index rows."""
-    nb = _check_fp4(width)
+    _check_fp4(width)
     if packed.shape[-1] != stored_width(width, "fp4_index"):
         raise ValueError(f"fp4_index: rows of {width} are {stored_width(width, 'fp4_index')} "
                          f"words; got {packed.shape[-1]}")
-    codes = _unpack(packed[..., :width // 8], 4)
-    mag = jnp.asarray(_E2M1)[codes & 7]
-    q = jnp.where(codes & 8 != 0, -mag, mag)
-    scales = _scale_values(_unpack(packed[..., width // 8:], 8)[..., :nb])
-    return q * _per_block(scales, FP4_BLOCK)
+    codes = _fields(packed[..., :width // 8], jnp.uint4)
+    # |q| * scale, then the sign bit: the bits of q * scale (a scale is positive or NaN; zeros
+    # and flushed products keep q's sign). Ending on an integer step keeps the scaling in this
+    # fusion on XLA:CPU instead of in the consumer's dot fusion, where it slowed the indexer.
+    scaled = _block_scaled(_e2m1_values(codes & 7), packed[..., width // 8:], FP4_BLOCK)
+    bits = lax.bitcast_convert_type(scaled.reshape(codes.shape), jnp.uint32)
+    return _f32(bits | ((codes & 8) << 28))
 
 
 # --- one stored array's rows -------------------------------------------------------------------
