@@ -125,8 +125,9 @@ class V4Stack:
 
 def projections_only(model: Decoder):
     """A jitted function running only the stack's projections (vectors and the grouped
-    output projection of every layer, with the query standing in for the attention output),
-    layers unrolled."""
+    output projection of every layer, with the query standing in for the attention output;
+    every vector is summed into the result so that no projection is left out), layers
+    unrolled."""
     if model.scan_layers:
         unrolled = Decoder(model.config, rngs=nnx.Rngs(0), scan_layers=False)
         for layer in range(model.config.num_layers):
@@ -141,8 +142,13 @@ def projections_only(model: Decoder):
         for blocks in m.groups:
             for block in blocks:
                 attn = block.attn
-                _, queries, _ = attn.vectors(x, positions)
-                x = x + attn.output(queries.q)
+                vectors, queries, _ = attn.vectors(x, positions)
+                # Every vector feeds the result, so none of the projections is dropped.
+                rest = sum(jnp.sum(v, axis=-1, keepdims=True)
+                           for v in jax.tree.leaves((vectors, queries.index_q,
+                                                     queries.index_weights))
+                           if v.ndim == 3 and v.shape[:2] == x.shape[:2])
+                x = x + attn.output(queries.q) + 1e-6 * rest
         return x
 
     return jax.jit(run), params
