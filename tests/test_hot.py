@@ -1,8 +1,9 @@
 """HiSparse: the C4 entries in host memory (`CacheConfig.c4_tier="host"`) and a hot set per
 CSA layer and slot on the device (`hot_rows`): the CSA read fetches its picks into the hot
-rows, least recently used out, and reads only those rows. Outputs and every stored array are
-the bits of the all-on-device run without a hot set, in prefill chunks (read a group of
-queries at a time) and in decode, on the reference and on the kernels."""
+rows, least recently used out, and reads only those rows. Every stored array is the bits of the
+all-on-device run without a hot set and the outputs are its outputs (to fp32 rounding where a
+group of queries is read at a time), in prefill chunks and in decode, on the reference and on
+the kernels."""
 
 from __future__ import annotations
 
@@ -55,11 +56,14 @@ def assert_same_bits(a, b):
 
 
 @pytest.mark.parametrize("hot_rows", HOT_ROWS)
-def test_reads_through_the_hot_set_are_the_bits_of_reads_from_the_pool(runs, hot_rows):
+def test_reads_through_the_hot_set_equal_reads_from_the_pool(runs, hot_rows):
     cache0, out0 = runs[0]
     cache, out = runs[hot_rows]
-    np.testing.assert_array_equal(out, out0)
     assert_same_bits(without_hot_set(cache), cache0)
+    # The reads take the same numbers; a group of queries' dots may be summed in another
+    # order than a whole tile's by XLA:CPU (seen with AVX-512), so the outputs agree to fp32
+    # rounding.
+    np.testing.assert_allclose(out, out0, rtol=0, atol=1e-6 * max(1.0, np.abs(out0).max()))
     assert pools.hot_set(cache0) is None
     # The C4 entries stay in their memory space through every donated step; the rest on
     # the device.

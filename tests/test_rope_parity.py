@@ -133,10 +133,14 @@ CACHE_MODEL = v4.tiny(rope_dim=64, head_dim=128, index_head_dim=64, index_heads=
 CACHE_GEOMETRY = v4.CacheConfig(num_pages=6, max_slots=1, max_pages_per_seq=6)
 CHUNKS = (160, 160, 160, 97, 63, 3)  # each padded to 160 tokens: one compiled shape
 LENGTH = sum(CHUNKS)
-# Entries are RMS-normed (|v_i| about 1): fp32 noise of the pooling, the norm and one rotation,
-# 1.2e-6 at most here. The former tables (numpy's array power: 2 SWA and 6 CSA frequencies 1-2
-# ulp off) gave 3e-5 to 6.5e-5.
+# Entries are RMS-normed (|v_i| about 1, some components 4 to 5): fp32 noise of the
+# projections, the pooling, the norm and one rotation. The former tables (numpy's array power:
+# 2 SWA and 6 CSA frequencies 1-2 ulp off) gave 3e-5 to 6.5e-5. Compressed entries also get
+# 1e-6 relative: a layer's fused [D, 1160] projection sums each product in another order than
+# separate [D, 256] ones (closer to float64 at 4+ rows: 1.1e-6 against 3.8e-6 on random
+# weights), which put one component of 4.46 of 20,480 at 3.3e-6 from transformers (7 ulp).
 CACHE_TOL = 3e-6
+ENTRY_RTOL = 1e-6
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "kind"), donate_argnames=("cache",))
@@ -211,7 +215,7 @@ def test_compressed_entries_equal_transformers(both_caches):
         assert count == len(want)
         assert (len(want) - 1) * CACHE_MODEL.ratio(kind) > 600  # the last entry sits past 600
         got = logical_entries(cache, ours, len(want))
-        np.testing.assert_allclose(got, want, rtol=0, atol=CACHE_TOL, err_msg=ours)
+        np.testing.assert_allclose(got, want, rtol=ENTRY_RTOL, atol=CACHE_TOL, err_msg=ours)
 
 
 def test_layer_outputs_equal_transformers(both_caches):
