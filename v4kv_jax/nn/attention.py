@@ -83,7 +83,7 @@ def linear(x: jax.Array, weight: jax.Array, precision=None) -> jax.Array:
 
 class Compressor(nnx.Module):
     """The pooling params of one compressor (SPEC section 3); its two projections (W_kv_c and
-    W_gate_c, [coff * width, D] each) are rows of the layer's `x_proj`.
+    W_gate_c, [coff * width, D] each) are columns of the layer's `x_proj` (transposed).
 
     Attributes:
       ape: [ratio, coff * width], the position bias added to the gate by t mod ratio.
@@ -103,7 +103,7 @@ class Compressor(nnx.Module):
 
 class Indexer(nnx.Module):
     """The lightning indexer of a CSA layer (SPEC section 5): its own overlapping compressor
-    of width c (the indexer's query and head-weight projections are rows of the layer's
+    of width c (the indexer's query and head-weight projections are columns of the layer's
     `qr_proj` and `x_proj`)."""
 
     def __init__(self, config: AttentionConfig, *, rngs: nnx.Rngs, bias_scale: float = 0.0):
