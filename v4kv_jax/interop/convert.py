@@ -212,19 +212,11 @@ def checkpoint_tensors(params: Mapping[str, np.ndarray], kind: LayerKind, layout
 
 
 def param_at(module, path: str):
-    """The `nnx.Param` at a dot-separated path of a module (of a `V4Attention`: its
-    `weight(path)`, a `Projection` view for a projection kept in a stored weight)."""
-    if isinstance(module, V4Attention):
-        return module.weight(path)
-    if not isinstance(path, str):
-        checks.fail("path", "a dot-separated param path (str)", path, TypeError)
-    obj, parts = module, path.split(".")
-    for i, part in enumerate(parts):
-        if not hasattr(obj, part):
-            checks.fail("path", f"a param path of the {type(module).__name__} (it has no "
-                        f"{'.'.join(parts[:i + 1])!r})", repr(path))
-        obj = getattr(obj, part)
-    return obj
+    """The param at a dot-separated path of a `V4Attention` (`V4Attention.weight`: an
+    `nnx.Param`, or a `Projection` view for a projection kept in a stored weight)."""
+    if not isinstance(module, V4Attention):
+        checks.fail("module", "a V4Attention", type(module).__name__, TypeError)
+    return module.weight(path)
 
 
 def check_layer_params(params: Mapping[str, object], shapes: Mapping[str, tuple[int, ...]],

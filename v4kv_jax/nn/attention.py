@@ -260,25 +260,12 @@ class V4Attention(nnx.Module):
             checks.fail("path", "a param path of the V4Attention", repr(path))
         return obj
 
-    @property
-    def q_a_proj(self) -> Projection:
-        return self.weight("q_a_proj")
-
-    @property
-    def q_b_proj(self) -> Projection:
-        return self.weight("q_b_proj")
-
-    @property
-    def kv_proj(self) -> Projection:
-        return self.weight("kv_proj")
-
-    @property
-    def o_a_proj(self) -> Projection:
-        return self.weight("o_a_proj")
-
-    @property
-    def o_b_proj(self) -> Projection:
-        return self.weight("o_b_proj")
+    # The checkpoint-layout projections most used by name, as views (`weight`).
+    q_a_proj = property(lambda self: self.weight("q_a_proj"))
+    q_b_proj = property(lambda self: self.weight("q_b_proj"))
+    kv_proj = property(lambda self: self.weight("kv_proj"))
+    o_a_proj = property(lambda self: self.weight("o_a_proj"))
+    o_b_proj = property(lambda self: self.weight("o_b_proj"))
 
     def output(self, o: jax.Array) -> jax.Array:
         """The grouped output projection (SPEC section 6) of the attention output o
