@@ -13,6 +13,5 @@ from v4kv_jax.nn.model import MLP, Block, Decoder, LayerGroup, ModelConfig, laye
 __all__ = [
     "MLP", "Block", "Compressor", "Decoder", "GenerationResult", "Generator", "Indexer",
     "LayerGroup", "ModelCache", "ModelConfig", "Projection", "V4Attention", "forward",
-    "fused_columns",
-    "layer_groups", "sample",
+    "fused_columns", "layer_groups", "sample",
 ]

@@ -2,7 +2,8 @@
 
 The module owns the layer's weights and computes the per-token vectors the cache takes; the
 cache (`v4kv_jax.step`) owns the window ring, the compressor tails, the pooled entries and the
-attention itself. Weights are [out, in] like the checkpoints.
+attention itself. The table below names and shapes the weights as the checkpoints do
+([out, in]); how they are stored follows it.
 
 Parameters by layer kind (D hidden, q query rank, H heads of hd, g groups of rank R,
 m the layer's ratio, coff 2 for CSA and 1 for HCA, nI indexer heads of c):
