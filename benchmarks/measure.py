@@ -46,7 +46,31 @@ def write_result(result: dict, path: str) -> None:
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
 # Opcodes whose called computations run as part of the step (followed); the computations of
 # fusions, reductions, sorts and scatters are parts of one operation (not followed).
-_CONTROL = {"while", "conditional", "call"}
+CONTROL = {"while", "conditional", "call"}
+
+
+def hlo_operations(hlo_text: str) -> dict[str, list[dict]]:
+    """The operations of an optimized HLO module's text, per computation in order: dicts of
+    name, opcode, result (its type, layouts dropped: `f32[4,8,128]`), rhs (the text after
+    `=`) and entry (whether the computation is the entry one)."""
+    computations: dict[str, list[dict]] = {}
+    current, is_entry = None, False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            head = line.split()
+            is_entry = head[0] == "ENTRY"
+            current = (head[1] if is_entry else head[0]).lstrip("%")
+            computations[current] = []
+        elif current is not None and " = " in line:
+            lhs, rhs = line.split(" = ", 1)
+            match = re.search(r"(?:^|\s)([a-z][\w\-.]*)\(", rhs)
+            if match is None:
+                continue
+            computations[current].append(dict(
+                name=lhs.split()[-1].lstrip("%"), opcode=match.group(1),
+                result=re.sub(r"\{[^}]*\}", "", rhs[:match.start()]).strip(), rhs=rhs,
+                entry=is_entry))
+    return computations
 
 
 def hlo_counts(compiled) -> dict:
@@ -57,39 +81,29 @@ def hlo_counts(compiled) -> dict:
     operations of the entry computation and of every loop body, loop condition and branch it
     runs, each computation counted once (a loop's body once, whatever its trip count).
     """
-    computations: dict[str, list[tuple[str, list[str]]]] = {}
-    entry, current = None, None
-    for line in compiled.as_text().splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            head = line.split()
-            is_entry = head[0] == "ENTRY"
-            current = (head[1] if is_entry else head[0]).lstrip("%")
-            computations[current] = []
-            entry = current if is_entry else entry
-        elif current is not None and " = " in line:
-            rhs = line.split(" = ", 1)[1]
-            match = re.search(r"(?:^|\s)([a-z][\w\-.]*)\(", rhs)
-            if match is None:
-                continue
-            opcode = match.group(1)
-            callees = []
-            if opcode in _CONTROL:
-                callees = re.findall(r"(?:condition|body|to_apply|true_computation|"
-                                     r"false_computation)=%?([\w.\-]+)", rhs)
-                branches = re.search(r"branch_computations=\{([^}]*)\}", rhs)
-                if branches:
-                    callees += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
-            computations[current].append((opcode, callees))
-    ops = [op for op, _ in computations.get(entry, []) if op not in _FREE]
+    computations = hlo_operations(compiled.as_text())
+    entry = next((c for c, ops in computations.items() if ops and ops[0]["entry"]), None)
+
+    def callees(op) -> list[str]:
+        if op["opcode"] not in CONTROL:
+            return []
+        names = re.findall(r"(?:condition|body|to_apply|true_computation|"
+                           r"false_computation)=%?([\w.\-]+)", op["rhs"])
+        branches = re.search(r"branch_computations=\{([^}]*)\}", op["rhs"])
+        if branches:
+            names += [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+        return names
+
+    ops = [op["opcode"] for op in computations.get(entry, []) if op["opcode"] not in _FREE]
     seen, todo, fusions = set(), [entry], 0
     while todo:
         name = todo.pop()
         if name in seen or name not in computations:
             continue
         seen.add(name)
-        for op, callees in computations[name]:
-            fusions += op == "fusion"
-            todo += callees
+        for op in computations[name]:
+            fusions += op["opcode"] == "fusion"
+            todo += callees(op)
     return dict(entry_ops=len(ops), entry_fusions=ops.count("fusion"),
                 entry_conditionals=ops.count("conditional"), entry_whiles=ops.count("while"),
                 fusions=fusions)

@@ -30,10 +30,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from measure import write_result
+from measure import CONTROL, hlo_operations, write_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_CONTROL = ("while", "conditional", "call")
 
 
 def decode_bench_step(args):
@@ -82,35 +81,18 @@ def operation_kinds(hlo_text: str) -> tuple[dict[str, str], dict[str, str]]:
     """Operation name -> kind in an optimized HLO module (the opcode, or for a fusion the
     heaviest opcode it fuses: dot, gather, scatter, reduce, sort, ...), and operation name ->
     its result type (`f32[4,8,128]`)."""
-    computations: dict[str, list[str]] = {}
-    current = None
-    ops: dict[str, tuple[str, str | None]] = {}
-    shapes: dict[str, str] = {}
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            head = line.split()
-            current = (head[1] if head[0] == "ENTRY" else head[0]).lstrip("%")
-            computations[current] = []
-        elif current is not None and " = " in line:
-            name = line.split(" = ", 1)[0].split()[-1].lstrip("%")
-            rhs = line.split(" = ", 1)[1]
-            match = re.search(r"(?:^|\s)([a-z][\w\-.]*)\(", rhs)
-            if match is None:
-                continue
-            opcode = match.group(1)
-            shapes[name] = re.sub(r"\{[^}]*\}", "", rhs[:match.start()]).strip()
-            computations[current].append(opcode)
-            called = re.search(r"calls=%?([\w.\-]+)", rhs) if opcode == "fusion" else None
-            ops[name] = (opcode, called.group(1) if called else None)
+    computations = hlo_operations(hlo_text)
     heavy = ("sort", "scatter", "dot", "convolution", "gather", "reduce-window", "reduce",
              "dynamic-update-slice", "concatenate", "dynamic-slice")
-    kinds = {}
-    for name, (opcode, called) in ops.items():
-        if opcode != "fusion":
-            kinds[name] = opcode
-            continue
-        inner = computations.get(called, [])
-        kinds[name] = "fusion(" + next((h for h in heavy if h in inner), "elementwise") + ")"
+    kinds, shapes = {}, {}
+    for op in (op for ops in computations.values() for op in ops):
+        kinds[op["name"]] = op["opcode"]
+        shapes[op["name"]] = op["result"]
+        called = re.search(r"calls=%?([\w.\-]+)", op["rhs"])
+        if op["opcode"] == "fusion" and called:
+            inner = {o["opcode"] for o in computations.get(called.group(1), [])}
+            kinds[op["name"]] = "fusion(" + next((h for h in heavy if h in inner),
+                                                 "elementwise") + ")"
     return kinds, shapes
 
 
@@ -160,7 +142,7 @@ def run(args) -> dict:
             calls[name] += 1
     per_kind: dict[str, float] = collections.defaultdict(float)
     for name, ms in per_op.items():
-        if kinds[name] not in _CONTROL:
+        if kinds[name] not in CONTROL:
             per_kind[kinds[name]] += ms
     device_ms = sum(per_kind.values())
     step_ms = 1e3 * statistics.median(wall)
