@@ -62,12 +62,14 @@ def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) ->
     """
     n_heads, dim = index_q.shape[-2:]
     if index_q.shape[1] == 1:
-        # One query per slot (decode): heads last, so the dot, the ReLU and the weighted head
-        # sum run as one fused pass over the keys on XLA:CPU (2.9x faster at 32k keys).
+        # One query per slot (decode): heads last, and the weighted head sum a second product
+        # rather than a reduction over the 8-wide minor axis, which XLA:CPU does not
+        # vectorise (4,096 keys of 4 rows: 0.19 instead of 0.34 ms).
         dots = jnp.einsum("bec,bnc->ben", storage.decode(keys),
                           index_q[:, 0].astype(jnp.float32), precision=_HIGHEST)
         weights = index_weights[:, 0].astype(jnp.float32) * (n_heads**-0.5 * dim**-0.5)
-        return jnp.sum(jax.nn.relu(dots) * weights[:, None, :], axis=-1)[:, None]
+        return jnp.einsum("ben,bn->be", jax.nn.relu(dots), weights,
+                          precision=_HIGHEST)[:, None]
     dots = jnp.einsum("btnc,bec->btne", index_q.astype(jnp.float32),
                       storage.decode(keys), precision=_HIGHEST)
     scores = jax.nn.relu(dots) * dim**-0.5
