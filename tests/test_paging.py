@@ -82,17 +82,48 @@ def test_entry_pages_maps_entries_to_page_and_row():
     assert np.asarray(row)[0, :5].tolist() == [0, 31, 0, 31, 0]
 
 
+def _fold_log(rows, num_entries, chunk_pages, steps=16):
+    """(first entry, pages) of each step of fold_page_chunks, and the page ids each step
+    handed over, written at their pages (-9 where no step read)."""
+    rows = jnp.asarray(rows, jnp.int32)
+
+    def body(carry, ids, first):
+        log, seen, n = carry
+        log = log.at[n].set(jnp.stack([first, jnp.int32(ids.shape[1])]))
+        seen = jax.lax.dynamic_update_slice(seen, ids, (0, first // 32))
+        return log, seen, n + 1
+
+    init = (jnp.full((steps, 2), -1, jnp.int32),
+            jnp.full((rows.shape[0], paging.padded_pages(rows.shape[1], chunk_pages)), -9,
+                     jnp.int32), jnp.int32(0))
+    log, seen, n = paging.fold_page_chunks(rows, jnp.asarray(num_entries), 32, chunk_pages,
+                                           body, init)
+    return [tuple(x) for x in np.asarray(log)[:int(n)].tolist()], np.asarray(seen)
+
+
 def test_fold_page_chunks_hands_each_step_its_pages_and_first_entry():
-    # 5 pages of 32 entries, 2 pages per step; the longer row needs 150 entries: 3 steps,
-    # starting at entries 0, 64 and 128, the last one padded with a -1 page.
-    rows = jnp.asarray([[10, 11, 12, 13, 14], [20, 21, -1, -1, -1]], jnp.int32)
+    # 5 pages of 32 entries, 2 pages per step; the longer row needs 150 entries (5 pages):
+    # two whole steps at entries 0 and 64, then the page left over in a step of one page.
+    rows = [[10, 11, 12, 13, 14], [20, 21, -1, -1, -1]]
+    log, seen = _fold_log(rows, [150, 40], 2)
+    assert log == [(0, 2), (64, 2), (128, 1)]
+    assert seen.tolist() == [[10, 11, 12, 13, 14, -9], [20, 21, -1, -1, -1, -9]]
+    assert _fold_log(rows, [64, 0], 2)[0] == [(0, 2)]
+    assert _fold_log(rows, [0, 0], 2)[0] == []
 
-    def body(seen, ids, first):
-        step = jnp.sum(seen[1] >= 0)
-        return (seen[0].at[step].set(ids), seen[1].at[step].set(first))
 
-    init = (jnp.full((4, 2, 2), -9, jnp.int32), jnp.full((4,), -1, jnp.int32))
-    ids, firsts = paging.fold_page_chunks(rows, jnp.asarray([150, 40]), 32, 2, body, init)
-    assert np.asarray(firsts).tolist() == [0, 64, 128, -1]
-    assert np.asarray(ids).tolist()[:3] == [[[10, 11], [20, 21]], [[12, 13], [-1, -1]],
-                                           [[14, -1], [-1, -1]]]
+def test_fold_page_chunks_reads_the_pages_left_over_in_small_steps():
+    # 16 pages per step, the pages left over 2 at a time: every needed page is read once, in
+    # order, and at most one page past them; no step reaches past the padded row (48 pages).
+    max_pages = 40
+    rows = np.arange(100, 100 + max_pages)[None]
+    assert paging.tail_chunk_pages(16) == 2
+    assert paging.tail_chunk_pages(12) == 1 and paging.tail_chunk_pages(128) == 16
+    for entries in (1, 32, 33, 16 * 32, 16 * 32 + 1, 35 * 32 - 5, max_pages * 32):
+        log, seen = _fold_log(rows, [entries], 16)
+        pages = -(-entries // 32)
+        read = seen[0][seen[0] != -9]
+        assert read.tolist()[:pages] == rows[0, :pages].tolist(), entries
+        assert pages <= len(read) <= pages + 1, (entries, len(read))
+        assert [size for _, size in log] == [16] * (pages // 16) + [2] * -(-(pages % 16) // 2)
+        assert all(first // 32 + size <= 48 for first, size in log)

@@ -279,33 +279,58 @@ def padded_pages(max_pages: int, chunk_pages: int) -> int:
     return -(-max_pages // chunk_pages) * chunk_pages
 
 
+def tail_chunk_pages(chunk_pages: int) -> int:
+    """Pages per step of `fold_page_chunks`' second loop: the largest divisor of
+    `chunk_pages` that is at most an eighth of it (at least 1)."""
+    most = max(1, chunk_pages // 8)
+    return max(d for d in range(1, most + 1) if chunk_pages % d == 0)
+
+
 def fold_page_chunks(page_table_rows: jax.Array, num_entries: jax.Array, entries_per_page: int,
                      chunk_pages: int, body, init):
-    """Folds `body` over the used pages of each row, `chunk_pages` pages at a time.
+    """Folds `body` over the used pages of each row, in order: `chunk_pages` pages at a time,
+    then the pages left over `tail_chunk_pages(chunk_pages)` at a time.
 
-    The trip count is a runtime value, ceil(max(num_entries) / entries per chunk), so the cost
-    follows the context actually used, not the page-table capacity. When one chunk covers the
-    whole row, `body` runs once without a loop (it must mask entries past `num_entries`).
+    Both trip counts are runtime values: ceil(max(num_entries) / entries per page) pages are
+    read, rounded up to a whole last step of the second loop, so the cost follows the
+    context actually used, not the page-table capacity, and at most a small step's worth of
+    pages is read past it (not a whole chunk's). When one chunk covers the whole row, `body`
+    runs once without a loop (it must mask entries past `num_entries`). Every step's pages
+    lie inside the row rounded up to whole chunks (`padded_pages`).
 
     Args:
       page_table_rows: i32[B, max_pages_per_seq].
       num_entries: i32[B], entries each row needs read (entries past it may be skipped).
       entries_per_page: P // m of the kind being read.
-      chunk_pages: pages per iteration.
-      body: (carry, page_ids i32[B, chunk_pages], first_entry i32[]) -> carry.
+      chunk_pages: pages per step of the first loop.
+      body: (carry, page_ids i32[B, n], first_entry i32[]) -> carry, traced once per step
+        size n (`chunk_pages`, and the second loop's when it differs).
       init: the initial carry.
     """
     batch, max_pages = page_table_rows.shape
     chunk_pages = min(chunk_pages, max_pages)
     padded = padded_pages(max_pages, chunk_pages)
     rows = jnp.pad(page_table_rows, ((0, 0), (0, padded - max_pages)), constant_values=-1)
-    per_chunk = chunk_pages * entries_per_page
     if padded == chunk_pages:
         return body(init, rows, jnp.int32(0))
-    trips = (jnp.max(num_entries) + per_chunk - 1) // per_chunk
+    # Pages to read, never past the row (a slice past it would be moved back onto read pages).
+    needed = jnp.minimum((jnp.max(num_entries) + entries_per_page - 1) // entries_per_page,
+                         max_pages)
 
-    def step(i, carry):
-        ids = jax.lax.dynamic_slice(rows, (0, i * chunk_pages), (batch, chunk_pages))
-        return body(carry, ids, i * per_chunk)
+    def steps(carry, first_page, trips, size):
+        def step(i, carry):
+            page = first_page + i * size
+            ids = jax.lax.dynamic_slice(rows, (0, page), (batch, size))
+            return body(carry, ids, page * entries_per_page)
 
-    return jax.lax.fori_loop(0, trips, step, init)
+        return jax.lax.fori_loop(0, trips, step, carry)
+
+    tail = tail_chunk_pages(chunk_pages)
+    if tail == chunk_pages:  # one page per step
+        return steps(init, 0, needed, chunk_pages)
+    whole = needed // chunk_pages
+    carry = steps(init, 0, whole, chunk_pages)
+    # tail divides chunk_pages and fewer than chunk_pages pages are left: the last step ends
+    # inside the padded row.
+    return steps(carry, whole * chunk_pages, (needed - whole * chunk_pages + tail - 1) // tail,
+                 tail)
