@@ -10,6 +10,7 @@ run, so their own rows are left out of the kind totals (their bodies' operations
     python benchmarks/step_profile.py                              # decode.py's step at 131072
     python benchmarks/step_profile.py --bench model --context 4096         # --scan: scanned
     python benchmarks/step_profile.py --context 32768 --formats release --top 30
+    python benchmarks/step_profile.py --bench model --context 3584 --tokens 512  # a prefill chunk
 
 Prints a table and writes benchmarks/results/step_profile.json.
 """
@@ -57,7 +58,9 @@ def decode_bench_step(args):
 
 def model_bench_step(args):
     """(jitted step, its arguments) of benchmarks/model.py's stack at `args.context`, the
-    cache filled by a real prefill."""
+    cache filled by a real prefill; the step appends `args.tokens` tokens to every row (1: a
+    decode step; more: a prefill chunk at that context). The cache holds the context's power
+    of two, as model.py sizes it, plus every profiled step's tokens."""
     import model as model_bench
     from flax import nnx
 
@@ -67,13 +70,13 @@ def model_bench_step(args):
     config = model_bench.config_s()
     decoder = Decoder(ModelConfig(config, vocab_size=8), rngs=nnx.Rngs(0), bias_scale=0.5,
                       scan_layers=args.scan)
-    capacity = (1 << (args.context - 1).bit_length()) + args.steps + 2
+    capacity = (1 << (args.context - 1).bit_length()) + (2 * args.steps + 4) * args.tokens
     stack = model_bench.V4Stack(decoder, args.batch, capacity, 512)
     x = np.random.default_rng(1).standard_normal(
         (args.batch, args.context, config.hidden_size)).astype(np.float32)
     cache, _ = stack.prefill(jnp.asarray(x))
-    step_x = jnp.asarray(x[:, :1])
-    n_new = jnp.ones((args.batch,), jnp.int32)
+    step_x = jnp.asarray(x[:, :args.tokens])
+    n_new = jnp.full((args.batch,), args.tokens, jnp.int32)
     return stack._run, [stack.params, cache, step_x, n_new], config.num_layers
 
 
@@ -146,7 +149,8 @@ def run(args) -> dict:
             per_kind[kinds[name]] += ms
     device_ms = sum(per_kind.values())
     step_ms = 1e3 * statistics.median(wall)
-    print(f"{args.bench}.py decode step at {args.context:,} tokens, batch {args.batch}"
+    what = "decode step" if args.tokens == 1 else f"{args.tokens}-token prefill chunk"
+    print(f"{args.bench}.py {what} at {args.context:,} tokens, batch {args.batch}"
           + (f", {args.formats}" if args.bench == "decode" else "")
           + f": {step_ms:.2f} ms a step (median of {args.steps}), {device_ms:.2f} ms of it "
           f"in operations outside loops' and branches' own rows; load average "
@@ -160,7 +164,8 @@ def run(args) -> dict:
         print(f"{name[:34]:<34} {kinds[name][:24]:<24} {shapes[name][:24]:<24} {ms:8.3f} "
               f"{calls[name] / args.steps:9.1f}")
     return dict(benchmark="profile", bench=args.bench, context=args.context,
-                batch=args.batch, formats=args.formats if args.bench == "decode" else None,
+                tokens=args.tokens, batch=args.batch,
+                formats=args.formats if args.bench == "decode" else None,
                 layers=n_layers, scanned=args.scan if args.bench == "model" else None,
                 step_ms=step_ms, device_ms=device_ms,
                 per_kind=dict(per_kind),
@@ -178,13 +183,19 @@ def main(argv=None):
     p.add_argument("--formats", default="float32", help="decode.py's storage formats")
     p.add_argument("--scan", action="store_true",
                    help="model.py's stack: scan over layer groups instead of unrolling")
+    p.add_argument("--tokens", type=int, default=1,
+                   help="model.py's stack: tokens each row appends per step (1: decode; "
+                        "more: a prefill chunk at --context)")
     p.add_argument("--steps", type=int, default=5, help="steps timed, then profiled")
     p.add_argument("--top", type=int, default=20, help="operations listed")
     p.add_argument("--out", default=os.path.join(HERE, "results", "step_profile.json"))
     args = p.parse_args(argv)
-    for name in ("context", "batch", "steps", "top"):
+    for name in ("context", "batch", "tokens", "steps", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name}: expected at least 1; got {getattr(args, name)}")
+    if args.bench == "decode" and args.tokens != 1:
+        p.error(f"--tokens: expected 1 with --bench decode (decode.py's step appends one "
+                f"token); got {args.tokens}")
     write_result(run(args), args.out)
 
 
