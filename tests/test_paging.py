@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,6 +120,8 @@ def test_fold_page_chunks_reads_the_pages_left_over_in_small_steps():
     rows = np.arange(100, 100 + max_pages)[None]
     assert paging.tail_chunk_pages(16) == 2
     assert paging.tail_chunk_pages(12) == 1 and paging.tail_chunk_pages(128) == 16
+    with pytest.raises(ValueError, match=r"chunk_pages: expected an integer in \[1, inf\]"):
+        paging.tail_chunk_pages(0)
     for entries in (1, 32, 33, 16 * 32, 16 * 32 + 1, 35 * 32 - 5, max_pages * 32):
         log, seen = _fold_log(rows, [entries], 16)
         pages = -(-entries // 32)

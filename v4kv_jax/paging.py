@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from v4kv_jax import checks
+
 
 @struct.dataclass
 class PageState:
@@ -282,6 +284,7 @@ def padded_pages(max_pages: int, chunk_pages: int) -> int:
 def tail_chunk_pages(chunk_pages: int) -> int:
     """Pages per step of `fold_page_chunks`' second loop: the largest divisor of
     `chunk_pages` that is at most an eighth of it (at least 1)."""
+    chunk_pages = checks.integer("chunk_pages", chunk_pages, lo=1)
     most = max(1, chunk_pages // 8)
     return max(d for d in range(1, most + 1) if chunk_pages % d == 0)
 
@@ -325,11 +328,11 @@ def fold_page_chunks(page_table_rows: jax.Array, num_entries: jax.Array, entries
 
         return jax.lax.fori_loop(0, trips, step, carry)
 
-    tail = tail_chunk_pages(chunk_pages)
-    if tail == chunk_pages:  # one page per step
-        return steps(init, 0, needed, chunk_pages)
     whole = needed // chunk_pages
     carry = steps(init, 0, whole, chunk_pages)
+    tail = tail_chunk_pages(chunk_pages)
+    if tail == chunk_pages:  # one page per step: the whole chunks are every needed page
+        return carry
     # tail divides chunk_pages and fewer than chunk_pages pages are left: the last step ends
     # inside the padded row.
     return steps(carry, whole * chunk_pages, (needed - whole * chunk_pages + tail - 1) // tail,
