@@ -46,3 +46,13 @@ def test_multi_chunk_reads_match_the_oracle(outputs, layer):
         assert margin > 1e-5, "top-k cut too close to call; pick another seed"
         atol = oracle_atol(MODEL, kind, np.arange(L)[:, None, None], rotations=3)
         assert_matches_oracle(out[layer, b, :L], want, atol, err_msg=f"layer {layer} row {b}")
+
+
+def test_multi_chunk_reads_never_read_unowned_memory(outputs):
+    # Every storage row no request owns yet holds NaN: the loops' steps past a row's last
+    # page (and its absent pages) read nothing, so the outputs keep their bits.
+    data, clean = outputs
+    cache = synthetic.poison_unowned(new_cache(MODEL, GEOMETRY), np.nan)
+    _, out = run_chunks(cache, data, chunk_plan(LENGTHS, [32, 29, 32]), options=OPTIONS)
+    for b, L in enumerate(LENGTHS):
+        np.testing.assert_array_equal(np.asarray(out)[:, b, :L], np.asarray(clean)[:, b, :L])
