@@ -4,6 +4,7 @@ its own entry offset, checked against the brute-force oracle."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -56,3 +57,38 @@ def test_multi_chunk_reads_never_read_unowned_memory(outputs):
     _, out = run_chunks(cache, data, chunk_plan(LENGTHS, [32, 29, 32]), options=OPTIONS)
     for b, L in enumerate(LENGTHS):
         np.testing.assert_array_equal(np.asarray(out)[:, b, :L], np.asarray(clean)[:, b, :L])
+
+
+@pytest.mark.parametrize("valid", [1, 3, 5, MODEL.index_topk])
+def test_sparse_read_takes_only_the_used_prefix_of_the_picks(valid):
+    # The read gathers the shortest multiple of k / 4 picks holding every valid pick. The
+    # same picks with their -1s first force the whole read: both give the same output, and
+    # a valid pick in the last column is never dropped.
+    model, geometry = MODEL, v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4)
+    lengths = [200, 131]
+    cache = synthetic.random_cache(model, geometry, lengths, seed=valid, fill_unused=np.nan)
+    layer = model.layers_of(v4.LayerKind.CSA)[0]
+    queries = synthetic.SyntheticBatch.draw(model, 2, 1, seed=3).queries(
+        layer, np.zeros((2, 1), int))
+    rng = np.random.default_rng(valid)
+    k = model.index_topk
+    ids = np.stack([rng.permutation(L // model.csa_ratio)[:valid] for L in lengths])
+    first = np.full((2, k), -1, np.int32)
+    first[:, :valid] = ids
+    last = np.full((2, k), -1, np.int32)
+    last[:, k - valid:] = ids
+    kv_end = jnp.asarray(lengths, jnp.int32)
+
+    def read(picks):
+        return np.asarray(v4.ops.sparse_decode_attention(
+            model, geometry, v4.Options(implementation="reference"), q=queries.q[:, 0],
+            sink=queries.sink, window=v4.pools.window_ring(cache), window_layer=layer,
+            slot_ids=jnp.arange(2), q_pos=kv_end - 1, kv_end=kv_end,
+            c4=v4.pools.csa_entries(cache).c4, c4_layer=model.kind_index(layer),
+            page_rows=cache.pages.page_table[:2], picks=jnp.asarray(picks)))
+
+    got, full = read(first), read(last)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, full, rtol=0, atol=1e-6)
+    # Without its picks the output differs: the picks were read.
+    assert np.abs(read(np.full((2, k), -1, np.int32)) - full).max() > 1e-3

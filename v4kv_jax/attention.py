@@ -117,6 +117,27 @@ def _fold_key_sets(state: _Softmax, q: jax.Array, key_sets, join: bool) -> _Soft
     return state
 
 
+def _fold_picks(state: _Softmax, q: jax.Array, key_sets, join: bool, entries: jax.Array,
+                layer, page_rows: jax.Array, picks: jax.Array, codec) -> _Softmax:
+    """Folds `key_sets` and the picked entries (picks i32[B, T, k], -1 = none) into the
+    softmax, reading only the shortest prefix of the picks' columns (a multiple of k / 4,
+    chosen at run time by `lax.switch`) that holds every pick of the batch. The indexer
+    puts its unused picks last, so below 4 k tokens (the CSA ratio 4) the picks that do not
+    exist are mostly neither gathered, decoded nor multiplied."""
+    k = picks.shape[-1]
+    sizes = sorted({max(1, k * i // 4) for i in range(1, 5)})
+    last = jnp.max(jnp.where(picks >= 0, jnp.arange(1, k + 1, dtype=jnp.int32), 0))
+
+    def fold(size):
+        def run(state):
+            picked, present = paging.gather_entries(entries, layer, page_rows,
+                                                    picks[..., :size])
+            return _fold_key_sets(state, q, [*key_sets, (picked, codec, present)], join)
+        return run
+
+    return jax.lax.switch(paging.prefix_bucket(sizes, last), [fold(s) for s in sizes], state)
+
+
 def ordered_window(ring: jax.Array, kv_end: jax.Array) -> jax.Array:
     """[B, W, hd] ring -> rows ordered by position: row e is position kv_end - W + e."""
     W = ring.shape[1]
@@ -190,8 +211,9 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
         if picks is None:
             raise ValueError("picks: expected the indexer's picks i32[B, T, k] for a CSA layer; "
                              "got None")
-        picked, present = paging.gather_entries(entries, layer, page_rows, picks)
-        key_sets.append((picked, storage.codec(model, geometry, "csa"), present))
+        state = _fold_picks(state, q, key_sets, join, entries, layer, page_rows, picks,
+                            storage.codec(model, geometry, "csa"))
+        key_sets = []
 
     state = _fold_key_sets(state, q, key_sets, join)
     out = state.acc / state.denom[..., None]

@@ -116,15 +116,6 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
         jnp.full((batch, tokens, capacity), -jnp.inf, jnp.float32))
 
 
-def _bucket_sizes(capacity: int, smallest: int) -> list[int]:
-    """Power-of-two prefix sizes from `smallest` up to `capacity` (the last is capacity)."""
-    sizes, size = [], max(1, smallest)
-    while size < capacity:
-        sizes.append(size)
-        size *= 2
-    return sizes + [capacity]
-
-
 def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: int
                    ) -> jax.Array:
     """i32[B, T, k]: the top-k entry ids of a score row (-inf = not a candidate, -1 = unused).
@@ -139,7 +130,7 @@ def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: 
       k: picks per query.
       smallest: the smallest prefix (one page of entries).
     """
-    sizes = _bucket_sizes(scores.shape[-1], smallest)
+    sizes = paging.prefix_sizes(scores.shape[-1], smallest)
 
     def top_of(size):
         def run(s):
@@ -151,8 +142,7 @@ def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: 
             return tuple(jax.lax.top_k(s[..., :size], k))
         return run
 
-    need = jnp.max(num_entries)
-    bucket = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
+    bucket = paging.prefix_bucket(sizes, jnp.max(num_entries))
     best = jax.lax.switch(bucket, [top_of(size) for size in sizes], scores)
     return finish_topk(best)
 

@@ -275,6 +275,22 @@ def gather_entries(pool: jax.Array, layer, page_rows: jax.Array, entry_idx: jax.
     return pool[layer, jnp.clip(page, 0, None), row], present
 
 
+def prefix_sizes(capacity: int, smallest: int) -> list[int]:
+    """Power-of-two prefix sizes from `smallest` up to `capacity` (the last is capacity): the
+    static shapes a read picks from at run time (`prefix_bucket`)."""
+    sizes, size = [], max(1, smallest)
+    while size < capacity:
+        sizes.append(size)
+        size *= 2
+    return sizes + [capacity]
+
+
+def prefix_bucket(sizes: list[int], need: jax.Array) -> jax.Array:
+    """i32[]: the index of the first of `sizes` (ascending, the last one covering everything)
+    that is at least `need` (a traced count), for `lax.switch`."""
+    return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
+
+
 def padded_pages(max_pages: int, chunk_pages: int) -> int:
     """Page-table length rounded up to whole read chunks (chunk_pages clamped to max_pages)."""
     chunk_pages = min(chunk_pages, max_pages)
