@@ -122,8 +122,8 @@ def _fold_picks(state: _Softmax, q: jax.Array, key_sets, join: bool, entries: ja
     """Folds `key_sets` and the picked entries (picks i32[B, T, k], -1 = none) into the
     softmax, reading only the shortest prefix of the picks' columns (a multiple of k / 4,
     chosen at run time by `lax.switch`) that holds every pick of the batch. The indexer
-    puts its unused picks last, so below 4 k tokens (the CSA ratio 4) the picks that do not
-    exist are mostly neither gathered, decoded nor multiplied."""
+    puts its unused picks last, so below k * csa_ratio tokens the picks that do not exist
+    yet are mostly neither gathered, decoded nor multiplied."""
     k = picks.shape[-1]
     sizes = sorted({max(1, k * i // 4) for i in range(1, 5)})
     last = jnp.max(jnp.where(picks >= 0, jnp.arange(1, k + 1, dtype=jnp.int32), 0))
