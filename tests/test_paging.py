@@ -130,3 +130,17 @@ def test_fold_page_chunks_reads_the_pages_left_over_in_small_steps():
         assert pages <= len(read) <= pages + 1, (entries, len(read))
         assert [size for _, size in log] == [16] * (pages // 16) + [2] * -(-(pages % 16) // 2)
         assert all(first // 32 + size <= 48 for first, size in log)
+
+
+def test_prefix_sizes_and_bucket():
+    assert paging.prefix_sizes(288, 32) == [32, 64, 128, 256, 288]
+    assert paging.prefix_sizes(8, 0) == [1, 2, 4, 8] and paging.prefix_sizes(4, 16) == [4]
+    sizes = [128, 256, 384, 512]
+    got = [int(paging.prefix_bucket(sizes, jnp.int32(n))) for n in (0, 128, 129, 384, 385, 999)]
+    assert got == [0, 0, 1, 2, 3, 3]
+    with pytest.raises(ValueError, match=r"capacity: expected an integer in \[1, inf\]"):
+        paging.prefix_sizes(0, 1)
+    with pytest.raises(TypeError, match="smallest: expected an integer"):
+        paging.prefix_sizes(8, 2.5)
+    with pytest.raises(ValueError, match="sizes: expected a non-empty ascending list"):
+        paging.prefix_bucket([4, 2], jnp.int32(1))

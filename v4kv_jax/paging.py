@@ -278,7 +278,8 @@ def gather_entries(pool: jax.Array, layer, page_rows: jax.Array, entry_idx: jax.
 def prefix_sizes(capacity: int, smallest: int) -> list[int]:
     """Power-of-two prefix sizes from `smallest` up to `capacity` (the last is capacity): the
     static shapes a read picks from at run time (`prefix_bucket`)."""
-    sizes, size = [], max(1, smallest)
+    capacity = checks.integer("capacity", capacity, lo=1)
+    sizes, size = [], max(1, checks.integer("smallest", smallest, lo=0))
     while size < capacity:
         sizes.append(size)
         size *= 2
@@ -288,6 +289,8 @@ def prefix_sizes(capacity: int, smallest: int) -> list[int]:
 def prefix_bucket(sizes: list[int], need: jax.Array) -> jax.Array:
     """i32[]: the index of the first of `sizes` (ascending, the last one covering everything)
     that is at least `need` (a traced count), for `lax.switch`."""
+    if not sizes or list(sizes) != sorted(sizes):
+        checks.fail("sizes", "a non-empty ascending list of prefix sizes", repr(sizes))
     return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < need)
 
 
