@@ -19,6 +19,8 @@ import v4kv_jax as v4
 from v4kv_jax import step
 from v4kv_jax.testing import oracle, synthetic
 
+from guardrails import pytest_configure, pytest_runtest_protocol  # noqa: F401 (hooks)
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # One XLA compilation cache per test run, shared by the xdist workers and by the processes the

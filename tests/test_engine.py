@@ -325,7 +325,7 @@ def test_the_disk_tier_is_reused_by_another_process(tmp_path):
     script = _CHILD.format(tests=os.path.join(ROOT, "tests"), directory=str(tmp_path))
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env=env, timeout=300, check=False)
+                         env=env, timeout=200, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 

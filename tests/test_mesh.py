@@ -63,7 +63,7 @@ def test_eight_host_devices():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          os.path.join(HERE, "multi_device.py")],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
@@ -98,7 +98,7 @@ def test_two_processes_give_the_tokens_of_one(tmp_path):
     of eight, one prompt per shard. Every process gets every prompt's tokens: the Generator's
     those of a one-device Generator, the Engine's (two rounds, the second hitting the
     first's pages on the shards that hold them) those of a one-device Engine."""
-    results, _ = _two_processes("generate", 400, str(tmp_path))
+    results, _ = _two_processes("generate", 240, str(tmp_path))
     for rc, _, err in results:
         assert rc == 0, err[-4000:]
     got = [json.loads(out.splitlines()[-1]) for _, out, _ in results]

@@ -28,7 +28,7 @@ def test_quickstart_runs_on_cpu():
     env_backend = os.environ.get("JAX_PLATFORMS")
     os.environ["JAX_PLATFORMS"] = "cpu"  # the kernel inherits it
     try:
-        client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+        client = nbclient.NotebookClient(nb, timeout=200, kernel_name="python3",
                                          resources={"metadata": {"path": NOTEBOOKS}})
         client.execute()
     finally:

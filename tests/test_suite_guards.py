@@ -1,0 +1,83 @@
+"""The suite's own guard rails: a test that kills its worker or hangs ends the whole run within
+a minute, and the run names it.
+
+The two tests that misbehave run only on demand (`V4KV_MISBEHAVE=segfault` or `=hang`): the
+first dies of a real segmentation fault, the second sleeps past its time limit. Each of the
+checks below starts a pytest of two xdist workers on one of them, as README's test command
+would, and holds that run to what pyproject.toml promises:
+
+* a fatal signal prints the Python stack of every thread of the dying worker (faulthandler);
+* the dead worker is not replaced (`--max-worker-restart=0`), so the run ends at once instead
+  of waiting on a replacement that never gets work;
+* a test past its time limit (tests/guardrails.py) has its stacks printed and its worker
+  ended, which the run reports the same way.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MISBEHAVE = os.environ.get("V4KV_MISBEHAVE", "")
+BOUND = 60.0  # seconds a run that lost a worker may take to end
+
+
+@pytest.mark.skipif(MISBEHAVE != "segfault", reason="on demand: V4KV_MISBEHAVE=segfault")
+def test_on_demand_segfault():
+    faulthandler._sigsegv()
+
+
+@pytest.mark.skipif(MISBEHAVE != "hang", reason="on demand: V4KV_MISBEHAVE=hang")
+@pytest.mark.time_limit(2)
+def test_on_demand_hang():
+    time.sleep(3600)
+
+
+def test_faulthandler_is_on_in_this_worker():
+    assert faulthandler.is_enabled()
+
+
+def _misbehave(kind: str) -> tuple[subprocess.CompletedProcess, float]:
+    """This file's on-demand `kind` test in a pytest of two workers, with the guard rails
+    alone (`-p guardrails`, no conftest: nothing else to import)."""
+    env = dict(os.environ, V4KV_MISBEHAVE=kind,
+               PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
+         "-p", "guardrails", "-n", "2", os.path.join(HERE, "test_suite_guards.py"),
+         "-k", "on_demand"],
+        cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True,
+        timeout=3 * BOUND)
+    return proc, time.monotonic() - start
+
+
+def test_a_worker_that_segfaults_ends_the_run_naming_its_test():
+    proc, seconds = _misbehave("segfault")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert seconds < BOUND, f"the run took {seconds:.0f} s to end"
+    assert ("crashed while running 'tests/test_suite_guards.py::test_on_demand_segfault'"
+            in out), out[-4000:]
+    # faulthandler's report: the signal, then the dying thread's stack down to the test.
+    assert "Fatal Python error: Segmentation fault" in out, out[-4000:]
+    assert 'in test_on_demand_segfault' in out, out[-4000:]
+    assert "1 failed" in out, out[-4000:]
+
+
+def test_a_worker_that_hangs_ends_the_run_naming_its_test():
+    proc, seconds = _misbehave("hang")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert seconds < BOUND, f"the run took {seconds:.0f} s to end"
+    assert ("crashed while running 'tests/test_suite_guards.py::test_on_demand_hang'"
+            in out), out[-4000:]
+    assert "Timeout (0:00:02)!" in out, out[-4000:]
+    assert 'in test_on_demand_hang' in out, out[-4000:]
+    assert "1 failed" in out, out[-4000:]
