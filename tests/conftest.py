@@ -7,8 +7,6 @@ once per test session; the chunking itself varies through `n_new`, never through
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import hypothesis
 import jax
@@ -23,11 +21,13 @@ from guardrails import pytest_configure, pytest_runtest_protocol  # noqa: F401 (
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-# One XLA compilation cache per test run, shared by the xdist workers and by the processes the
-# tests start, which would otherwise each compile the same programs again (most of the suite's
-# time is compilation). Set through the environment so that child processes inherit it; the
-# controller deletes it when the run ends (`pytest_sessionfinish`). Caching changes no result:
-# a program is looked up by its HLO, compile options and jax version.
+# No persistent compilation cache, in the tests or in the processes they start (set through
+# the environment, which child processes inherit): a worker once died of a segmentation fault
+# inside jaxlib while serializing an executable for a cache the workers shared, and the cache
+# saved nothing measurable (the suite on 2 cores: 722 s without it, 737 to 761 s with it).
+# benchmarks/compile_cache.py checks the cache on the library's programs as users meet it.
+os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+jax.config.update("jax_enable_compilation_cache", False)
 # XLA:CPU's LLVM backend at optimization level 0 for the tests and the processes they start:
 # most of the suite's time is compiling small programs, which this cuts by about a quarter
 # (tests/multi_device.py: 66 s -> 48 s). It changes no result: the HLO passes (fusion,
@@ -36,12 +36,6 @@ jax.config.update("jax_default_matmul_precision", "highest")
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_backend_optimization_level=0").strip()
-_OWN_CACHE = os.path.join(tempfile.gettempdir(), f"v4kv_jax-tests-xla-{os.getpid()}")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _OWN_CACHE)  # workers inherit the first
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 # The files that take longest, longest first: `--dist loadfile` hands files to the workers in
@@ -59,10 +53,6 @@ def pytest_collection_modifyitems(session, config, items):
 
     items.sort(key=rank)  # stable: a file's tests keep their order
 
-
-def pytest_sessionfinish(session, exitstatus):
-    if os.environ["JAX_COMPILATION_CACHE_DIR"] == _OWN_CACHE:  # the process that made it
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 # Enough indexer heads that exact-zero (ReLU) score ties are practically absent.
 MODEL = v4.tiny(index_heads=16)
