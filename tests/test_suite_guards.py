@@ -58,26 +58,17 @@ def _misbehave(kind: str) -> tuple[subprocess.CompletedProcess, float]:
     return proc, time.monotonic() - start
 
 
-def test_a_worker_that_segfaults_ends_the_run_naming_its_test():
-    proc, seconds = _misbehave("segfault")
+@pytest.mark.parametrize("kind, report", [
+    ("segfault", "Fatal Python error: Segmentation fault"),  # faulthandler on a fatal signal
+    ("hang", "Timeout (0:00:02)!"),  # faulthandler's watchdog at the time limit
+])
+def test_a_worker_that_dies_ends_the_run_naming_its_test(kind, report):
+    proc, seconds = _misbehave(kind)
     out = proc.stdout + proc.stderr
+    test = f"tests/test_suite_guards.py::test_on_demand_{kind}"
     assert proc.returncode == 1, out[-4000:]
     assert seconds < BOUND, f"the run took {seconds:.0f} s to end"
-    assert ("crashed while running 'tests/test_suite_guards.py::test_on_demand_segfault'"
-            in out), out[-4000:]
-    # faulthandler's report: the signal, then the dying thread's stack down to the test.
-    assert "Fatal Python error: Segmentation fault" in out, out[-4000:]
-    assert 'in test_on_demand_segfault' in out, out[-4000:]
-    assert "1 failed" in out, out[-4000:]
-
-
-def test_a_worker_that_hangs_ends_the_run_naming_its_test():
-    proc, seconds = _misbehave("hang")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out[-4000:]
-    assert seconds < BOUND, f"the run took {seconds:.0f} s to end"
-    assert ("crashed while running 'tests/test_suite_guards.py::test_on_demand_hang'"
-            in out), out[-4000:]
-    assert "Timeout (0:00:02)!" in out, out[-4000:]
-    assert 'in test_on_demand_hang' in out, out[-4000:]
+    assert f"crashed while running '{test}'" in out, out[-4000:]
+    # The report, then the stacks: the dying thread's goes down to the test.
+    assert report in out and f"in test_on_demand_{kind}" in out, out[-4000:]
     assert "1 failed" in out, out[-4000:]
