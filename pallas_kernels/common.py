@@ -129,6 +129,23 @@ def check_positive(obj) -> None:
             raise ValueError(f"{type(obj).__name__}.{field.name}={value!r} must be a positive int")
 
 
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def tpu_row_copy_problem(rows_per_copy: int = 1, **formats: str) -> str | None:
+    """Why Mosaic cannot copy runs of `rows_per_copy` rows (at offsets that are multiples of
+    it) of arrays stored in `formats` (name=format), or None: a 16-bit array packs its rows
+    in pairs, and Mosaic copies them only in runs of an even number of rows at even offsets
+    (32-bit rows and the packed uint32 release formats copy one at a time)."""
+    bad = [f"{name}={fmt!r}" for name, fmt in formats.items() if fmt in SIXTEEN_BIT]
+    if not bad or rows_per_copy % 2 == 0:
+        return None
+    run = "one row" if rows_per_copy == 1 else f"{rows_per_copy} rows"
+    return (f"{', '.join(bad)}: the TPU kernel copies {run} at a time, and Mosaic copies "
+            "16-bit rows (packed in pairs) only in runs of an even number at even offsets "
+            "(float32 and the packed release formats run)")
+
+
 def power_of_two_problem(**dims: int) -> str | None:
     """Why a config cannot be tiled by Triton (power-of-two shapes), or None: names the first
     dim that is not a power of two."""

@@ -465,12 +465,14 @@ def encode_tpu(lay: Layout, x: jax.Array) -> jax.Array:
         words = _pack_bytes(sources, (low, high), stored)
     else:
         blocks = _block_scales(lane, x, finite, lay.blocks, FP4_BLOCK, FP4_MAX, FP4_AMAX_FLOOR)
-        scale, bad = jnp.ones(x.shape, _F32), jnp.zeros(x.shape, jnp.bool_)
+        # `bad` as 0 / 1 floats: Mosaic cannot lay out a select between boolean vectors.
+        scale, bad = jnp.ones(x.shape, _F32), jnp.zeros(x.shape, _F32)
         for b, (inside, byte, block_bad) in enumerate(blocks):
             byte = jnp.where(block_bad, 0xFF, byte)
             blocks[b] = (inside, byte, block_bad)
             scale = jnp.where(inside, scale_value(byte), scale)
-            bad = jnp.where(inside, block_bad, bad)
+            bad = jnp.where(inside, jnp.where(block_bad, 1.0, 0.0), bad)
+        bad = bad > 0
         q = jnp.clip(jnp.where(bad, 0.0, x / scale), -FP4_MAX, FP4_MAX)
         codes = jnp.where(bad, 0, e2m1_code(q)).astype(_F32)
 

@@ -41,6 +41,7 @@ and never branches at run time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -48,9 +49,11 @@ import json
 import os
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.interpreters import mlir
 
 from v4kv_jax import attention, checks, compressor, indexer, pools, rope, storage
 from v4kv_jax import hot as hot_set
@@ -80,6 +83,21 @@ _OPS = {
 assert tuple(_OPS) == KERNEL_OPS
 
 MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
+
+
+_UNCHECKED: list[bool] = []
+
+
+@contextlib.contextmanager
+def unchecked():
+    """Inside the block a forced kernel runs even a config its `supported()` rejects, so a
+    compiler says what it makes of it (the compile sweep, `v4kv_jax.testing.compile_sweep`);
+    never for serving."""
+    _UNCHECKED.append(True)
+    try:
+        yield
+    finally:
+        _UNCHECKED.pop()
 
 
 class KernelUnavailableError(RuntimeError):
@@ -116,8 +134,7 @@ def resolve(implementation: str = "auto", *, interpret: bool = False,
     if backend != needed:
         raise KernelUnavailableError(
             f"implementation={implementation!r} needs a {needed.upper()} backend; the current "
-            f"backend is {backend!r}. Use implementation='auto' or 'reference', or "
-            f"interpret=True (Options(interpret=True)) to run it in interpret mode")
+            f"backend is {backend!r}. {_ADVICE}")
     return implementation
 
 
@@ -128,11 +145,12 @@ def kernel_module(op: str, implementation: str):
 
 
 def supported(op: str, implementation: str, model: AttentionConfig,
-              geometry: CacheConfig) -> str | None:
-    """Why `op`'s kernel of `implementation` cannot run this config, or None if it can."""
+              geometry: CacheConfig, spec: CompressorSpec | None = None) -> str | None:
+    """Why `op`'s kernel of `implementation` cannot run this config (for an emission, the
+    compressor `spec`; None: every compressor of the model), or None if it can."""
     if implementation == "reference":
         return None
-    return kernel_module(op, implementation).supported(model, geometry)
+    return kernel_module(op, implementation).supported(model, geometry, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +165,10 @@ class Choice:
 
 
 def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
-           options: Options | None = None, *, backend: str | None = None) -> Choice:
-    """The `Choice` for `op` (a name in `KERNEL_OPS`) under `options` on `backend`.
+           options: Options | None = None, *, backend: str | None = None,
+           spec: CompressorSpec | None = None) -> Choice:
+    """The `Choice` for `op` (a name in `KERNEL_OPS`) under `options` on `backend` (for an
+    emission, of the compressor `spec`; None: a kernel must run every compressor).
 
     Raises:
       KernelUnavailableError: a forced Pallas implementation on another backend (not
@@ -170,7 +190,9 @@ def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
                    f"{row['reference_ms']} ms, kernel {row['kernel_ms']} ms)")
         else:
             why = f"auto on {backend}"
-    problem = supported(op, impl, model, geometry)
+    # The TPU kernels' limits are Mosaic's: interpret mode runs every config.
+    mosaic_only = impl == "pallas_tpu" and options.interpret
+    problem = None if _UNCHECKED or mosaic_only else supported(op, impl, model, geometry, spec)
     if problem is not None:
         if requested == "auto":
             impl, why = "reference", f"auto: the {backend} kernel cannot run it: {problem}"
@@ -180,12 +202,95 @@ def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
     return Choice(impl, options.interpret, options.blocks(op), why)
 
 
-def _kernel(op: str, model: AttentionConfig, geometry: CacheConfig, options: Options | None):
-    """(kernel function or None for the reference, its `Choice`)."""
-    choice = choose(op, model, geometry, options)
-    if choice.implementation == "reference":
-        return None, choice
-    return getattr(kernel_module(op, choice.implementation), op), choice
+# Lowering platform names (`jax.lax.platform_dependent`) of the platforms with kernels.
+_LOWERING_NAMES = {"tpu": "tpu", "gpu": "cuda"}
+PLATFORMS = ("cpu", "tpu", "gpu")
+
+
+def choices(op: str, model: AttentionConfig, geometry: CacheConfig,
+            options: Options | None = None, spec: CompressorSpec | None = None
+            ) -> dict[str, Choice]:
+    """{platform: the `Choice` for `op` in a program compiled for it}, for "cpu", "tpu" and
+    "gpu". A program traced once holds every distinct choice (`jax.lax.platform_dependent`);
+    the platform it is lowered for (where its arrays are placed, or the devices it is
+    compiled for ahead of time) keeps one. A forced Pallas implementation (not interpret
+    mode) is its own platform's only choice: lowered for another platform, the program
+    raises `KernelUnavailableError`. With `Options.interpret` every platform runs what the
+    default backend would (interpret-mode kernels call the host, so the program cannot
+    hold branches for other platforms)."""
+    options = _options(options)
+    impl = options.implementation
+    if options.interpret:  # tests: interpret-mode kernels call the host, on any platform
+        return {p: choose(op, model, geometry, options, spec=spec) for p in PLATFORMS}
+    if impl in _BACKEND_OF:
+        return {_BACKEND_OF[impl]: choose(op, model, geometry, options,
+                                          backend=_BACKEND_OF[impl], spec=spec)}
+    return {p: choose(op, model, geometry, options, backend=p, spec=spec) for p in PLATFORMS}
+
+
+def _unavailable_abstract_eval(*args, avals, message):
+    del args, message
+    return avals
+
+
+_ADVICE = ("Use implementation='auto' or 'reference', or interpret=True "
+           "(Options(interpret=True)) to run it in interpret mode")
+
+
+def _unavailable(*args, avals, message):
+    del args, avals
+    raise KernelUnavailableError(f"{message}; the current backend is "
+                                 f"{jax.default_backend()!r}. {_ADVICE}")
+
+
+def _unavailable_lowering(ctx, *args, avals, message):
+    del args, avals
+    platforms = ", ".join(repr(p) for p in ctx.module_context.platforms)
+    raise KernelUnavailableError(f"{message}; this program is compiled for {platforms}. "
+                                 f"{_ADVICE}")
+
+
+# What a forced kernel leaves on the platforms it cannot run on: a value of the right type
+# whose lowering raises, so the program fails when compiled there, never earlier.
+_unavailable_p = jax.extend.core.Primitive("v4kv_kernel_unavailable")
+_unavailable_p.multiple_results = True
+_unavailable_p.def_abstract_eval(_unavailable_abstract_eval)
+_unavailable_p.def_impl(_unavailable)
+mlir.register_lowering(_unavailable_p, _unavailable_lowering)
+
+
+def _dispatch(op: str, model: AttentionConfig, geometry: CacheConfig, options: Options | None,
+              reference, kernel_call, spec: CompressorSpec | None = None):
+    """`reference()` or `kernel_call(kernel function, Choice)` (same outputs) as `choices`
+    decides per platform: one branch when every platform runs the same, else a
+    `jax.lax.platform_dependent` over the distinct choices (the reference the default)."""
+    per_platform = choices(op, model, geometry, options, spec)
+
+    def run(choice):
+        if choice.implementation == "reference":
+            return reference()
+        return kernel_call(getattr(kernel_module(op, choice.implementation), op), choice)
+
+    distinct = set(per_platform.values())
+    if len(per_platform) == len(PLATFORMS) and len(distinct) == 1:
+        return run(distinct.pop())
+    kernels = {p: c for p, c in per_platform.items() if c.implementation != "reference"}
+    branches = {_LOWERING_NAMES[p]: functools.partial(run, c) for p, c in kernels.items()}
+    if len(per_platform) == len(PLATFORMS):
+        default = functools.partial(run, per_platform["cpu"])
+    else:  # a forced kernel: nothing runs on the other platforms
+        (platform, choice), = per_platform.items()
+
+        def default():
+            avals = jax.eval_shape(functools.partial(run, choice))
+            leaves, tree = jax.tree.flatten(avals)
+            out = _unavailable_p.bind(
+                avals=tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves),
+                message=f"implementation={_options(options).implementation!r} needs a "
+                        f"{platform.upper()} backend ({op} runs its Pallas kernel only)")
+            return jax.tree.unflatten(tree, out)
+
+    return jax.lax.platform_dependent(default=default, **branches)
 
 
 def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
@@ -213,13 +318,17 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
     arrays = dict(pool=pool, page_rows=page_rows, layers=layers, tail_kv=tail_kv,
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
-    kernel, choice = _kernel("emit_entries", model, geometry, options)
-    if kernel is None or pools.on_host(geometry, spec):
+    def reference():
         return compressor.emit_entries(spec, model, geometry, **arrays)
+
+    if pools.on_host(geometry, spec):
+        return reference()
     codec = storage.codec(model, geometry, spec.name)
-    return kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
-                  overlap=spec.overlap, eps=model.rms_eps, block_sizes=choice.block_sizes,
-                  interpret=choice.interpret, entry_format=codec.fmt, rope_dim=codec.rope_dim)
+    return _dispatch("emit_entries", model, geometry, options, reference, lambda kernel, choice:
+                     kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind),
+                            ratio=spec.ratio, overlap=spec.overlap, eps=model.rms_eps,
+                            block_sizes=choice.block_sizes, interpret=choice.interpret,
+                            entry_format=codec.fmt, rope_dim=codec.rope_dim), spec)
 
 
 def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
@@ -236,17 +345,22 @@ def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: 
     outside jit, the arrays passed in are consumed (use the returned ones). They run one
     program per layer and row: there is nothing to tile, so no block sizes.
     """
-    kernel, choice = _kernel("emit_entries_online", model, geometry, options)
-    if kernel is None:
+    def reference():
         return compressor.emit_entries_online(
             spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
             slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
-    codec = storage.codec(model, geometry, spec.name)
-    pool, state = kernel(pool, page_rows, layers, tail.max, tail.sum, tail.weighted, slot_ids,
-                         kv, gate, start, n_new, norm, rope.inv_frequencies(model, spec.kind),
-                         ratio=spec.ratio, eps=model.rms_eps, interpret=choice.interpret,
-                         entry_format=codec.fmt, rope_dim=codec.rope_dim)
-    return pool, pools.OnlineTail(*state)
+
+    def run_kernel(kernel, choice):
+        codec = storage.codec(model, geometry, spec.name)
+        out, state = kernel(pool, page_rows, layers, tail.max, tail.sum, tail.weighted,
+                            slot_ids, kv, gate, start, n_new, norm,
+                            rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
+                            eps=model.rms_eps, interpret=choice.interpret,
+                            entry_format=codec.fmt, rope_dim=codec.rope_dim)
+        return out, pools.OnlineTail(*state)
+
+    return _dispatch("emit_entries_online", model, geometry, options, reference, run_kernel,
+                     spec)
 
 
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
@@ -267,15 +381,25 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     fp4_index keys rotated and fake-quantised like them), for every implementation.
     """
     index_q = indexer.prepare_index_query(geometry, index_q)
-    kernel, choice = _kernel("index_scores", model, geometry, options)
-    if kernel is None:
+    def reference():
         return indexer.index_scores(
             model, geometry, _options(options), index_keys=index_keys, layer=layer,
             page_rows=page_rows, index_q=index_q[:, None], index_weights=index_weights[:, None],
             q_pos=q_pos[:, None], kv_end=kv_end)[:, 0]
-    return kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
-                  ratio=model.csa_ratio, block_sizes=choice.block_sizes,
-                  interpret=choice.interpret, index_format=geometry.index_dtype)
+
+    def run_kernel(kernel, choice):
+        """The kernel's scores at the reference's capacity, so that the platforms' branches
+        agree: both pad past max_pages_per_seq pages (to their own blocks) with -inf."""
+        scores = kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
+                        ratio=model.csa_ratio, block_sizes=choice.block_sizes,
+                        interpret=choice.interpret, index_format=geometry.index_dtype)
+        width = jax.eval_shape(reference).shape[1]
+        if scores.shape[1] >= width:
+            return scores[:, :width]
+        return jnp.pad(scores, ((0, 0), (0, width - scores.shape[1])),
+                       constant_values=-jnp.inf)
+
+    return _dispatch("index_scores", model, geometry, options, reference, run_kernel)
 
 
 def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
@@ -297,12 +421,12 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     """CSA decode attention of one query per slot (`attention.sparse_decode_attention`)."""
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4, c4_layer, page_rows,
             picks)
-    kernel, choice = _kernel("sparse_decode_attention", model, geometry, options)
-    if kernel is None:
-        return attention.sparse_decode_attention(model, geometry, _options(options), *args)
-    return kernel(*args, rope.inv_frequencies(model, LayerKind.CSA),
-                  block_sizes=choice.block_sizes, interpret=choice.interpret,
-                  **_read_formats(model, geometry))
+    return _dispatch(
+        "sparse_decode_attention", model, geometry, options,
+        lambda: attention.sparse_decode_attention(model, geometry, _options(options), *args),
+        lambda kernel, choice: kernel(*args, rope.inv_frequencies(model, LayerKind.CSA),
+                                      block_sizes=choice.block_sizes, interpret=choice.interpret,
+                                      **_read_formats(model, geometry)))
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
@@ -312,12 +436,13 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
                            page_rows: jax.Array) -> jax.Array:
     """HCA decode attention of one query per slot (`attention.dense_decode_attention`)."""
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)
-    kernel, choice = _kernel("dense_decode_attention", model, geometry, options)
-    if kernel is None:
-        return attention.dense_decode_attention(model, geometry, _options(options), *args)
-    return kernel(*args, rope.inv_frequencies(model, LayerKind.HCA), ratio=model.hca_ratio,
-                  block_sizes=choice.block_sizes, interpret=choice.interpret,
-                  **_read_formats(model, geometry))
+    return _dispatch(
+        "dense_decode_attention", model, geometry, options,
+        lambda: attention.dense_decode_attention(model, geometry, _options(options), *args),
+        lambda kernel, choice: kernel(*args, rope.inv_frequencies(model, LayerKind.HCA),
+                                      ratio=model.hca_ratio, block_sizes=choice.block_sizes,
+                                      interpret=choice.interpret,
+                                      **_read_formats(model, geometry)))
 
 
 # --- the read door -----------------------------------------------------------------------------

@@ -38,6 +38,8 @@ The library's programs, by name (`PROGRAMS`; the Generator makes one per instanc
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -79,6 +81,8 @@ class Program:
                 for i, x in enumerate(args)]
         kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
         self._call = (args, kwargs)
+        if _CAPTURES and self._outermost():
+            _CAPTURES[-1].append(Call(self, *_abstract_call(args, kwargs)))
         try:
             return self._jitted(*args, **kwargs)
         finally:
@@ -94,6 +98,12 @@ class Program:
         only when a call traces, so a call that runs a compiled program does not walk its
         arguments."""
         return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(self._call))
+
+    def trace(self, *args, **kwargs) -> jax.stages.Traced:
+        """The program traced for `args` (arrays or `jax.ShapeDtypeStruct`s, placed where it
+        should compile: `v4kv_jax.targets`) and its static `kwargs`; `.lower().compile()`
+        compiles it without running it."""
+        return self._jitted.trace(*args, **kwargs)
 
     @property
     def traces(self) -> int:
@@ -129,6 +139,41 @@ def committed_together(tree):
         lambda x: jax.device_put(x, x.sharding) if committed(x) is False else x, tree)
 
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A recorded call of a `Program`: `args` and `kwargs` with every array as a
+    `jax.ShapeDtypeStruct` (shape, dtype and placement), statics as passed."""
+
+    program: Program
+    args: tuple
+    kwargs: dict
+
+
+_CAPTURES: list[list[Call]] = []
+
+
+def _abstract_call(args, kwargs):
+    def one(x):
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        return x
+
+    return tuple(jax.tree.map(one, tuple(args))), jax.tree.map(one, dict(kwargs))
+
+
+@contextlib.contextmanager
+def capture():
+    """Records the calls of every `Program` made inside the block (they still run) as a list
+    of `Call`s, in call order; `v4kv_jax.targets.compile_for(call.program, *call.args,
+    target=..., **call.kwargs)` compiles one for another target."""
+    calls: list[Call] = []
+    _CAPTURES.append(calls)
+    try:
+        yield calls
+    finally:
+        _CAPTURES.remove(calls)
+
+
 PROGRAMS: dict[str, Program] = {}
 
 
@@ -151,4 +196,4 @@ def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequ
     return made
 
 
-__all__ = ["PROGRAMS", "Program", "committed_together", "program"]
+__all__ = ["PROGRAMS", "Call", "Program", "capture", "committed_together", "program"]

@@ -41,9 +41,10 @@ from pallas_kernels.compressor.blocks import BlockSizes
 from pallas_kernels.compressor.pooling import online_step, softmax_pool
 
 
-def supported(model, geometry) -> str | None:
+def supported(model, geometry, spec=None) -> str | None:
     """Why these GPU kernels cannot run a config, or None. The row widths and the tokens
     pooled into one entry (ratio, or 2 * ratio with the overlap) are Triton tensor sizes."""
+    del spec
     return power_of_two_problem(head_dim=model.head_dim, index_head_dim=model.index_head_dim,
                                 csa_ratio=model.csa_ratio, hca_ratio=model.hca_ratio)
 

@@ -2,9 +2,10 @@
 
 Grid: (layer, slot row, step of `blocks_per_step` blocks). Scalar-prefetched: the layers of
 the kind's stack, slot ids, lengths before the chunk, tokens appended and the page table.
-Inputs stay in HBM (`pl.ANY`). For each block that completes, its slot rows are copied into
-VMEM as runs of m rows (one half of a CSA row each): a run inside the chunk or inside the
-tail ring is one copy, the one run that straddles the chunk start is copied row by row.
+Inputs stay in HBM (`pltpu.HBM`). For each block that completes, its slot rows (whole rows,
+both CSA halves) are copied into VMEM one row per copy, each into its own leading index
+([blocks, slots, 1, in_width]: Mosaic slices no tiled dimension there), from the tail ring
+before the chunk start and from the chunk after it; each slot then takes its half (CSA).
 Pooling, RMSNorm and RoPE run on all blocks of the step at once ([blocks, slots, width]);
 each entry (encoded in the kernel when the pool is packed, `formats.encode_tpu`) is then
 copied to its page and row of the pool, which is aliased to the output
@@ -33,15 +34,29 @@ from pallas_kernels.common import (
     rotate_lanes,
     swap_pairs_tpu,
     tpu_interpret,
+    tpu_row_copy_problem,
 )
 from pallas_kernels.compressor.blocks import BlockSizes
 from pallas_kernels.compressor.pooling import online_step, softmax_pool
 
+# compressor name -> the geometry field of the format its entries are stored in
+_STORED_AS = {"csa": "entry_dtype", "csa_index": "index_dtype", "hca": "entry_dtype"}
 
-def supported(model, geometry) -> str | None:
-    """Why this TPU kernel cannot run a config, or None: Mosaic pads every block to its
-    (8, 128) tiles, so every valid config runs."""
-    del model, geometry
+
+def supported(model, geometry, spec=None) -> str | None:
+    """Why these TPU kernels cannot run a config (the compressor `spec`, or every one of the
+    model's), or None. They copy tail rows and write entries one row at a time: 16-bit tails
+    never run, 16-bit entries only where a page holds one entry (row 0 of every page)."""
+    names = [spec.name] if spec is not None else list(_STORED_AS)
+    for name in names:
+        ratio = model.hca_ratio if name == "hca" else model.csa_ratio
+        field = _STORED_AS[name]
+        per_page = geometry.page_tokens // ratio
+        problem = tpu_row_copy_problem(tail_dtype=geometry.tail_dtype) or (
+            None if per_page == 1 else tpu_row_copy_problem(
+                **{field: getattr(geometry, field)}))
+        if problem is not None:
+            return f"{name} compressor: {problem}"
     return None
 
 
@@ -62,54 +77,33 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
     def done(g):
         return (block0 + g + 1) * m <= end
 
-    def copy_run(g, h, act):
-        """Copies (act='start') or waits for (act='wait') run h of the slot rows of block
-        block0 + g: m positions, columns of half h (CSA) or all of them (HCA)."""
-        run = (block0 + g) * m - (m if overlap else 0) + h * m
-        cols = pl.ds(h * width, width)
+    def copy_rows(g, act):
+        """Copies (act='start') or waits for (act='wait') the slot rows of block
+        block0 + g, one whole row (every column) per copy: slot s is position
+        block * m - (m if overlap else 0) + s, from the tail ring before the chunk start,
+        from the chunk after it. Rows land in their own leading index of the VMEM buffers,
+        so no copy slices a tiled dimension there."""
+        first = (block0 + g) * m - (m if overlap else 0)
 
-        def from_chunk(src_row, dst_row, rows):
-            for src, dst in ((kv_hbm, chunk_a), (gate_hbm, chunk_z)):
-                getattr(pltpu.make_async_copy(src.at[li, b, pl.ds(src_row, rows), cols],
-                                              dst.at[g, pl.ds(dst_row, rows)], in_sem), act)()
+        def row(s, carry):
+            pos = first + s
 
-        def from_ring(src_row, dst_row, rows):
-            for src, dst in ((ring_kv_hbm, ring_a), (ring_gate_hbm, ring_z)):
-                getattr(pltpu.make_async_copy(src.at[layer, slot, pl.ds(src_row, rows), cols],
-                                              dst.at[g, pl.ds(dst_row, rows)], in_sem), act)()
+            @pl.when((pos >= 0) & (pos < start))
+            def _():
+                ring_row = jax.lax.rem(jnp.maximum(pos, 0), ring)
+                for src, dst in ((ring_kv_hbm, ring_a), (ring_gate_hbm, ring_z)):
+                    getattr(pltpu.make_async_copy(src.at[layer, slot, pl.ds(ring_row, 1)],
+                                                  dst.at[g, s], in_sem), act)()
 
-        exists = run >= 0
-        in_chunk = exists & (run >= start)
-        in_ring = exists & (run + m <= start)
+            @pl.when(pos >= start)
+            def _():
+                for src, dst in ((kv_hbm, chunk_a), (gate_hbm, chunk_z)):
+                    getattr(pltpu.make_async_copy(src.at[li, b, pl.ds(pos - start, 1)],
+                                                  dst.at[g, s], in_sem), act)()
 
-        @pl.when(in_chunk)
-        def _():
-            from_chunk(jnp.maximum(run - start, 0), h * m, m)
+            return carry
 
-        @pl.when(in_ring)
-        def _():
-            from_ring(jax.lax.rem(jnp.maximum(run, 0), ring), h * m, m)
-
-        @pl.when(exists & jnp.logical_not(in_chunk | in_ring))
-        def _():
-            def row(s, carry):
-                pos = run + s
-
-                @pl.when(pos < start)
-                def _():
-                    from_ring(jax.lax.rem(pos, ring), h * m + s, 1)
-
-                @pl.when(pos >= start)
-                def _():
-                    from_chunk(pos - start, h * m + s, 1)
-
-                return carry
-
-            jax.lax.fori_loop(0, m, row, 0)
-
-    def copy_runs(g, act):
-        for h in range(2 if overlap else 1):
-            copy_run(g, h, act)
+        jax.lax.fori_loop(0, ring_a.shape[1], row, 0)
 
     def each_done_block(fn):
         def one(g, carry):
@@ -126,8 +120,8 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
         col = jax.lax.div(block, epp)
         page = table_ref[b * max_pages + jnp.minimum(col, max_pages - 1)]
         dst = pool_hbm.at[layer, jnp.maximum(page, 0), pl.ds(jax.lax.rem(block, epp), 1)]
-        return (col < max_pages) & (page >= 0), pltpu.make_async_copy(
-            out_buf.at[pl.ds(g, 1)], dst, out_sem)
+        return (col < max_pages) & (page >= 0), pltpu.make_async_copy(out_buf.at[g], dst,
+                                                                      out_sem)
 
     def write(g, act):
         present, copy = entry_copy(g)
@@ -138,24 +132,31 @@ def _kernel(layers_ref, slot_ref, start_ref, n_new_ref, table_ref, norm_ref, fre
 
     @pl.when(done(0))
     def _():
-        each_done_block(lambda g: copy_runs(g, "start"))
-        each_done_block(lambda g: copy_runs(g, "wait"))
+        each_done_block(lambda g: copy_rows(g, "start"))
+        each_done_block(lambda g: copy_rows(g, "wait"))
         shape = (blocks_per_step, ring_a.shape[1], 1)
         block = block0 + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
         pos = block * m - (m if overlap else 0) + jax.lax.broadcasted_iota(jnp.int32, shape, 1)
         is_done = (block + 1) * m <= end
         old = pos < start
-        a = jnp.where(old, ring_a[...].astype(jnp.float32), chunk_a[...].astype(jnp.float32))
-        z = jnp.where(old, ring_z[...].astype(jnp.float32), chunk_z[...].astype(jnp.float32))
+        slot_half = jax.lax.broadcasted_iota(jnp.int32, shape, 1) < m
+
+        def rows_of(ring_buf, chunk_buf):
+            """[blocks, slots, width] fp32: each slot's row, its half (CSA) or all of it."""
+            x = jnp.where(old, ring_buf[:, :, 0, :].astype(jnp.float32),
+                          chunk_buf[:, :, 0, :].astype(jnp.float32))
+            return jnp.where(slot_half, x[..., :width], x[..., width:]) if overlap else x
+
+        a, z = rows_of(ring_a, chunk_a), rows_of(ring_z, chunk_z)
         x = softmax_pool(a, z, (pos >= 0) & is_done, is_done)
         y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
         y = y * norm_ref[...]
         angle = (block[:, 0] * m).astype(jnp.float32) * freq_ref[...]
         rows = rotate_lanes(y, swap_pairs_tpu(y), angle)
         if entries.packed:
-            out_buf[...] = formats.encode_tpu(entries, rows)
+            out_buf[...] = formats.encode_tpu(entries, rows)[:, None, :]
         else:
-            out_buf[...] = rows.astype(out_buf.dtype)
+            out_buf[...] = rows.astype(out_buf.dtype)[:, None, :]
         each_done_block(lambda g: write(g, "start"))
         each_done_block(lambda g: write(g, "wait"))
 
@@ -186,7 +187,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
     Returns:
       The pool with the entries of completed blocks written (absent pages are skipped).
     """
-    n, batch, tokens, _ = kv.shape
+    n, batch, tokens, in_width = kv.shape
     width = norm.shape[-1]
     entries = formats.layout(entry_format, width, rope_dim, "tpu")
     formats.check_stored(entries, pool, "pool")
@@ -198,7 +199,7 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
     steps = -(-blocks // per_step)
     kernel = functools.partial(_kernel, ratio=ratio, overlap=overlap, blocks_per_step=per_step,
                                max_pages=page_rows.shape[1], eps=eps, entries=entries)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    any_spec = pl.BlockSpec(memory_space=pltpu.HBM)
     num_scalars = 5
     return pl.pallas_call(
         kernel,
@@ -209,11 +210,11 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
                       pl.BlockSpec((1, width), lambda li, b, t, *_: (0, 0)),
                       any_spec, any_spec, any_spec, any_spec, any_spec],
             out_specs=any_spec,
-            scratch_shapes=[pltpu.VMEM((per_step, slots, width), tail_kv.dtype),
-                            pltpu.VMEM((per_step, slots, width), tail_gate.dtype),
-                            pltpu.VMEM((per_step, slots, width), kv.dtype),
-                            pltpu.VMEM((per_step, slots, width), gate.dtype),
-                            pltpu.VMEM((per_step, pool.shape[-1]), pool.dtype),
+            scratch_shapes=[pltpu.VMEM((per_step, slots, 1, in_width), tail_kv.dtype),
+                            pltpu.VMEM((per_step, slots, 1, in_width), tail_gate.dtype),
+                            pltpu.VMEM((per_step, slots, 1, in_width), kv.dtype),
+                            pltpu.VMEM((per_step, slots, 1, in_width), gate.dtype),
+                            pltpu.VMEM((per_step, 1, pool.shape[-1]), pool.dtype),
                             pltpu.SemaphoreType.DMA(()),
                             pltpu.SemaphoreType.DMA(())],
         ),

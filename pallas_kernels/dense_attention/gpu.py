@@ -27,9 +27,10 @@ from pallas_kernels.common import (
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
 
-def supported(model, geometry) -> str | None:
+def supported(model, geometry, spec=None) -> str | None:
     """Why this GPU kernel cannot run a config, or None: a key row and the window are Triton
     tensors."""
+    del spec
     return power_of_two_problem(head_dim=model.head_dim, window=model.window)
 
 

@@ -27,15 +27,18 @@ from pallas_kernels.common import (
     lane_frequencies,
     layer_index,
     tpu_interpret,
+    tpu_row_copy_problem,
 )
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
 
-def supported(model, geometry) -> str | None:
-    """Why this TPU kernel cannot run a config, or None: Mosaic pads every block to its
-    (8, 128) tiles, so every valid config runs."""
-    del model, geometry
-    return None
+def supported(model, geometry, spec=None) -> str | None:
+    """Why this TPU kernel cannot run a config, or None: it copies whole pages of C128
+    entries (P // m' rows each) into consecutive buffer rows, which Mosaic does for 16-bit
+    entries only in runs of an even number of rows."""
+    del spec
+    return tpu_row_copy_problem(geometry.page_tokens // model.hca_ratio,
+                                entry_dtype=geometry.entry_dtype)
 
 
 def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,

@@ -32,8 +32,9 @@ from pallas_kernels.gpu_split_k import row_loader
 from pallas_kernels.indexer.blocks import BlockSizes
 
 
-def supported(model, geometry) -> str | None:
+def supported(model, geometry, spec=None) -> str | None:
     """Why this GPU kernel cannot run a config, or None: a key row is a Triton tensor."""
+    del spec
     return power_of_two_problem(index_head_dim=model.index_head_dim)
 
 

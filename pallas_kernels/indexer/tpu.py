@@ -31,15 +31,17 @@ from pallas_kernels.common import (
     candidate_scores,
     layer_index,
     tpu_interpret,
+    tpu_row_copy_problem,
 )
 from pallas_kernels.indexer.blocks import BlockSizes
 
 
-def supported(model, geometry) -> str | None:
-    """Why this TPU kernel cannot run a config, or None: Mosaic pads every block to its
-    (8, 128) tiles, so every valid config runs."""
-    del model, geometry
-    return None
+def supported(model, geometry, spec=None) -> str | None:
+    """Why this TPU kernel cannot run a config, or None: it copies whole pages of keys
+    (P // m rows, a multiple of 32), which Mosaic does in every storage format."""
+    del spec
+    return tpu_row_copy_problem(geometry.page_tokens // model.csa_ratio,
+                                index_dtype=geometry.index_dtype)
 
 
 def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_hbm, scores_hbm,

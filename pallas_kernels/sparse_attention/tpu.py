@@ -29,15 +29,16 @@ from pallas_kernels.common import (
     layer_index,
     present_picks,
     tpu_interpret,
+    tpu_row_copy_problem,
 )
 from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 
-def supported(model, geometry) -> str | None:
-    """Why this TPU kernel cannot run a config, or None: Mosaic pads every block to its
-    (8, 128) tiles, so every valid config runs."""
-    del model, geometry
-    return None
+def supported(model, geometry, spec=None) -> str | None:
+    """Why this TPU kernel cannot run a config, or None: it copies each picked C4 entry as
+    one row, which Mosaic cannot do for 16-bit entries."""
+    del model, spec
+    return tpu_row_copy_problem(entry_dtype=geometry.entry_dtype)
 
 
 def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, blocks_ref,

@@ -233,6 +233,12 @@ class Generator(ModelCache):
         return {b: i * S + s for i, t in self.tables.items() for b, s in t.slots.items()}
 
     @property
+    def program(self) -> programs.Program:
+        """The generator's one device program (`programs.capture` records its calls, and
+        `v4kv_jax.targets.compile_for` compiles one for a TPU)."""
+        return self._program
+
+    @property
     def traces(self) -> int:
         """How many programs this generator has traced and compiled."""
         return self._program.traces
