@@ -27,6 +27,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # saved nothing measurable (the suite on 2 cores: 722 s without it, 737 to 761 s with it).
 # benchmarks/compile_cache.py checks the cache on the library's programs as users meet it.
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+# libtpu is installed (the TPU compile tests): without a TPU, jax would try it first and
+# print a warning in every process. Runs on a device (V4KV_KERNEL_DEVICE) pick their own.
+if not os.environ.get("V4KV_KERNEL_DEVICE"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 jax.config.update("jax_enable_compilation_cache", False)
 # XLA:CPU's LLVM backend at optimization level 0 for the tests and the processes they start:
 # most of the suite's time is compiling small programs, which this cuts by about a quarter

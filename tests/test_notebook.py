@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import sys
+import types
 
 import pytest
 
@@ -44,3 +48,87 @@ def test_quickstart_runs_on_cpu():
     images = [out for cell in nb.cells if cell.cell_type == "code" for out in cell.outputs
               if "image/png" in out.get("data", {})]
     assert len(images) == 1  # the pools plot
+
+
+# The install cell (cell 1), without running the notebook: what it installs on Colab, and its
+# jax version check, exec'd with the %pip lines removed and a stand-in `jax` module.
+
+V4KV_REPO_URL = "git+https://github.com/v4kv-jax/v4kv_jax.git"
+JAX_DISTS = {"jax", "jaxlib", "libtpu", "libtpu-nightly", "jax-cuda12-plugin", "jax-cuda12-pjrt"}
+
+
+def install_cell_source() -> str:
+    nb = nbformat.read(QUICKSTART, as_version=4)
+    cell = nb.cells[1]
+    assert cell.cell_type == "code" and "V4KV_REPO" in cell.source, cell.source[:60]
+    return cell.source
+
+
+def magic_lines(source: str) -> list[str]:
+    """The cell's IPython %-magic and !-shell lines (pip runs through them)."""
+    return [line.strip() for line in source.splitlines() if line.lstrip()[:1] in ("%", "!")]
+
+
+def run_install_cell(source: str, jax_version: str | None = None) -> dict:
+    """Exec the cell's Python (the magics become `pass`) in a fresh namespace; with
+    `jax_version`, `import jax` in the cell gets a stand-in module of that version."""
+    python = "\n".join(line[:len(line) - len(line.lstrip())] + "pass"
+                       if line.lstrip()[:1] in ("%", "!") else line
+                       for line in source.splitlines())
+    namespace = {"__name__": "__quickstart_install_cell__"}
+    if jax_version is None:
+        exec(compile(python, QUICKSTART + ":cell 1", "exec"), namespace)
+        return namespace
+    fake = types.ModuleType("jax")
+    fake.__version__ = jax_version
+    missing = object()
+    real = sys.modules.get("jax", missing)
+    sys.modules["jax"] = fake
+    try:
+        exec(compile(python, QUICKSTART + ":cell 1", "exec"), namespace)
+    finally:
+        if real is missing:
+            sys.modules.pop("jax", None)
+        else:
+            sys.modules["jax"] = real
+    return namespace
+
+
+def test_install_cell_installs_the_repo_and_never_jax():
+    source = install_cell_source()
+    assert f'V4KV_REPO = "{V4KV_REPO_URL}"' in source.splitlines()
+    assert 'os.environ.get("V4KV_SOURCE")' in source
+    assert 'if "google.colab" in sys.modules' in source
+    pips = [line for line in magic_lines(source) if "pip" in line]
+    assert pips, "the install cell has no %pip line"
+    for line in pips:
+        assert line.startswith("%pip install "), line  # %pip: into the kernel's environment
+        words = shlex.split(line.split(" #", 1)[0])
+        assert "-U" not in words and "--upgrade" not in words, line
+        names = {re.split(r"[\[<>=!~;@ ]", word, maxsplit=1)[0].lower().replace("_", "-")
+                 for word in words[2:] if not word.startswith(("-", "$", "{"))}
+        assert not names & JAX_DISTS, f"installs jax: {line}"
+    v4kv = [line for line in pips if "$V4KV_SOURCE" in line]
+    assert len(v4kv) == 1 and "--no-deps" in v4kv[0], pips  # its pins would replace jax
+    # Outside Colab the cell installs nothing, and the current jax passes its check.
+    assert "google.colab" not in sys.modules
+    namespace = run_install_cell(source)
+    assert namespace["V4KV_REPO"] == V4KV_REPO_URL
+    assert namespace["MIN_JAX"] == (0, 10, 2)
+    assert "V4KV_SOURCE" not in namespace
+
+
+@pytest.mark.parametrize("version", ["0.10.2", "0.10.2.dev20260101", "0.10.3", "0.11.2",
+                                     "1.0.0rc1"])
+def test_install_cell_accepts_jax_at_or_above_the_minimum(version):
+    run_install_cell(install_cell_source(), jax_version=version)
+
+
+@pytest.mark.parametrize("version", ["0.4.38", "0.10.1", "0.9.9.dev20250101", "0.10"])
+def test_install_cell_rejects_old_jax_naming_both_versions_and_the_fix(version):
+    with pytest.raises(RuntimeError) as raised:
+        run_install_cell(install_cell_source(), jax_version=version)
+    message = str(raised.value)
+    assert f"jax {version}" in message and ">= 0.10.2" in message
+    assert "Runtime > Change runtime type" in message
+    assert 'pip install -U "jax[tpu]"' in message and '"jax[cuda12]"' in message
