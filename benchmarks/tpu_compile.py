@@ -1,0 +1,166 @@
+"""The decode step compiled for TPUs without a TPU: XLA:TPU's and Mosaic's own figures.
+
+Compiles the V4 decode step (append one token to every layer and attend in every layer,
+`step.append_and_attend`, implementation "auto": the TPU kernels where `supported()` says
+they run) for one chip of each generation (`v4kv_jax.targets`), on abstract arrays (nothing
+is allocated), and prints per generation, context and batch:
+
+  compile s     XLA:TPU + Mosaic compile time on this machine
+  ops / fusions the optimized program's top-level operations and fusions, per layer
+  temp MiB      the compiler's temporaries; cache MiB the donated cache (argument bytes)
+  alias MiB     argument bytes aliased to outputs: the cache updated in place when it
+                equals the cache (no copy of a pool in the program)
+  est. read     XLA's estimated bytes accessed (its cost analysis) next to the bytes the step
+                must read (`decode.v4_step_bytes`); XLA charges a gather its whole operand
+  est. ms       the cost analysis' estimated time, where it gives one
+
+These are the compiler's estimates, never measurements (no TPU ran anything).
+
+    python benchmarks/tpu_compile.py                        # v5e, v6e; 32k, 128k; batch 4, 64
+    python benchmarks/tpu_compile.py --widths flash --generations v5e
+    python benchmarks/tpu_compile.py --sweep                # every kernel over the product
+
+`--sweep` compiles every Pallas TPU kernel, one op at a time, over generations x widths x
+formats x page sizes x batches (`v4kv_jax.testing.compile_sweep`) and prints where
+`supported()` and Mosaic agree (they must, everywhere). Writes results/tpu_compile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from decode import add_model_arguments, bench_model, v4_step_bytes  # noqa: E402
+from measure import hlo_counts, write_result  # noqa: E402
+
+import v4kv_jax as v4  # noqa: E402
+from v4kv_jax import programs, targets  # noqa: E402
+from v4kv_jax.testing import compile_sweep  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MIB = 2**20
+
+
+def step_arguments(model, geometry, batch: int):
+    cache, vectors, weights, slot_ids, n_new = compile_sweep.step_arguments(model, geometry,
+                                                                            batch, 1)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    L = model.num_layers
+    queries = v4.Queries(q=f32(L, batch, 1, model.num_heads, model.head_dim),
+                         sink=f32(L, model.num_heads),
+                         index_q=f32(model.num_csa, batch, 1, model.index_heads,
+                                     model.index_head_dim),
+                         index_weights=f32(model.num_csa, batch, 1, model.index_heads))
+    return cache, vectors, queries, weights, slot_ids, n_new
+
+
+def geometry_for(formats: str, context: int, batch: int) -> v4.CacheConfig:
+    pages = -(-(context + 1) // 128)
+    return v4.CacheConfig.with_formats(formats, num_pages=batch * pages + 1, max_slots=batch,
+                                       max_pages_per_seq=pages, page_tokens=128)
+
+
+def compile_step(model, generation: str, formats: str, context: int, batch: int) -> dict:
+    geometry = geometry_for(formats, context, batch)
+    args = step_arguments(model, geometry, batch)
+    device = targets.tpu_devices(targets.GENERATIONS[generation])[0]
+    start = time.perf_counter()
+    base = dict(generation=generation, formats=formats, context=context, batch=batch,
+                must_read_bytes=v4_step_bytes(model, geometry, batch, context))
+    try:
+        compiled = targets.compile_for(programs.PROGRAMS["step.append_and_attend"], *args,
+                                       target=device, options=v4.Options(), mesh=None)
+    except Exception as e:  # the compiler's verdict (e.g. temporaries past the chip's HBM)
+        return dict(base, error=str(e).split("\n")[0][:300],
+                    compile_s=round(time.perf_counter() - start, 1))
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    counts = hlo_counts(compiled)
+    text = compiled.as_text()
+    kernels = collections.Counter(
+        name for name in ("v4kv_compress_emit", "v4kv_compress_online", "v4kv_indexer_scores",
+                          "v4kv_csa_sparse_decode_attention",
+                          "v4kv_hca_dense_decode_attention") for _ in range(text.count(name)))
+    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
+    return dict(
+        base, compile_s=round(seconds, 1), layers=model.num_layers,
+        entry_ops=counts["entry_ops"], fusions=counts["fusions"],
+        temp_mib=memory.temp_size_in_bytes / MIB, cache_mib=cache_bytes / MIB,
+        argument_mib=memory.argument_size_in_bytes / MIB,
+        alias_mib=memory.alias_size_in_bytes / MIB,
+        estimated_bytes_accessed=cost.get("bytes accessed"),
+        estimated_flops=cost.get("flops"),
+        estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels))
+
+
+HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'compile s':>9s} {'ops/layer':>9s} "
+          f"{'fus/layer':>9s} {'temp MiB':>9s} {'cache MiB':>9s} {'alias MiB':>9s} "
+          f"{'est. read MiB':>13s} {'must read MiB':>13s}  kernels")
+
+
+def format_row(r: dict) -> str:
+    if "error" in r:
+        return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} {r['compile_s']:9.1f} "
+                f"does not compile: {r['error']}")
+    est = r["estimated_bytes_accessed"]
+    return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} {r['compile_s']:9.1f} "
+            f"{r['entry_ops'] / r['layers']:9.1f} {r['fusions'] / r['layers']:9.1f} "
+            f"{r['temp_mib']:9.1f} {r['cache_mib']:9.1f} {r['alias_mib']:9.1f} "
+            f"{(est or 0) / MIB:13.1f} {r['must_read_bytes'] / MIB:13.1f}  "
+            f"{len(r['kernels'])} ({', '.join(k.removeprefix('v4kv_') for k in r['kernels'])})")
+
+
+def run_sweep(args) -> dict:
+    rows = []
+    for row in compile_sweep.sweep(generations=args.generations, page_tokens=(128, 256),
+                                   batches=(1, 64)):
+        rows.append(dict(row.__dict__, agrees=row.agrees,
+                         error=None if row.error is None else row.error.split("\n")[0]))
+        print(f"{row.generation:4s} {row.widths:8s} {row.formats:8s} P{row.page_tokens:<4d} "
+              f"B{row.batch:<3d} {row.case:26s} {'runs' if row.supported is None else 'no':4s} "
+              f"{'compiles' if row.error is None else 'fails':8s} "
+              f"{'' if row.agrees else 'DISAGREE'}", flush=True)
+    wrong = [r for r in rows if not r["agrees"]]
+    print(f"{len(rows)} configs, {len(rows) - len(wrong)} agree, {len(wrong)} disagree")
+    return dict(sweep=rows)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--generations", nargs="+", default=["v5e", "v6e"],
+                   choices=sorted(targets.GENERATIONS))
+    p.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
+    p.add_argument("--batches", nargs="+", type=int, default=[4, 64])
+    p.add_argument("--formats", default="release", choices=sorted(v4.config.FORMAT_SETS))
+    p.add_argument("--widths", default="decode", choices=["decode", "flash"],
+                   help="decode: benchmarks/decode.py's reduced widths; flash: V4-Flash's")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "tpu_compile.json"))
+    add_model_arguments(p)
+    args = p.parse_args(argv)
+    if args.sweep:
+        return write_result(run_sweep(args), args.out)
+    model = v4.flash() if args.widths == "flash" else bench_model(args)
+    print(f"V4-Flash layer pattern ({model.num_layers} layers), {args.widths} widths "
+          f"(H={model.num_heads} hd={model.head_dim}), {args.formats} formats; "
+          "XLA:TPU's estimates, not measurements", flush=True)
+    print(HEADER, flush=True)
+    rows = []
+    for gen in args.generations:
+        for context in args.contexts:
+            for batch in args.batches:
+                rows.append(compile_step(model, gen, args.formats, context, batch))
+                print(format_row(rows[-1]), flush=True)
+    write_result(dict(widths=args.widths, formats=args.formats, rows=rows), args.out)
+
+
+if __name__ == "__main__":
+    main()
