@@ -77,6 +77,15 @@ def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) ->
     return jnp.einsum("btne,btn->bte", scores, weights, precision=_HIGHEST)
 
 
+def score_capacity(model: AttentionConfig, geometry: CacheConfig, options: Options,
+                   max_pages: int) -> int:
+    """Entries per row of `index_scores`' result: a page-table row of `max_pages` pages,
+    rounded up to whole read chunks."""
+    m = model.csa_ratio
+    chunk_pages = options.read_chunk_pages(geometry, options.index_read_entries, m)
+    return paging.padded_pages(max_pages, chunk_pages) * geometry.entries_per_page(m)
+
+
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
                  index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
                  index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array) -> jax.Array:
@@ -99,7 +108,7 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     chunk_pages = options.read_chunk_pages(geometry, options.index_read_entries, m)
     batch, tokens = q_pos.shape
     visible = visible_entries(q_pos, kv_end, m)
-    capacity = paging.padded_pages(page_rows.shape[1], chunk_pages) * epp
+    capacity = score_capacity(model, geometry, options, page_rows.shape[1])
     codec = storage.codec(model, geometry, "csa_index")
 
     def body(buf, page_ids, first):
@@ -169,4 +178,4 @@ def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, 
 
 
 __all__ = ["finish_topk", "index_scores", "index_topk", "key_scores", "picks_from_scores",
-           "prepare_index_query", "topk_of_scores"]
+           "prepare_index_query", "score_capacity", "topk_of_scores"]

@@ -393,7 +393,7 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
         scores = kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
                         ratio=model.csa_ratio, block_sizes=choice.block_sizes,
                         interpret=choice.interpret, index_format=geometry.index_dtype)
-        width = jax.eval_shape(reference).shape[1]
+        width = indexer.score_capacity(model, geometry, _options(options), page_rows.shape[1])
         if scores.shape[1] >= width:
             return scores[:, :width]
         return jnp.pad(scores, ((0, 0), (0, width - scores.shape[1])),
