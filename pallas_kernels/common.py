@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 # Finite, so that `max` and `exp` of fully masked rows stay finite (no inf - inf).
@@ -127,6 +128,20 @@ def check_positive(obj) -> None:
         value = getattr(obj, field.name)
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{type(obj).__name__}.{field.name}={value!r} must be a positive int")
+
+
+def cost_estimate(flops, bytes_accessed, transcendentals=0) -> pl.CostEstimate:
+    """What XLA's cost analysis charges a kernel (it cannot look inside one): the worst
+    case, every page of every page-table row read."""
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                           bytes_accessed=int(bytes_accessed))
+
+
+def nbytes(x, last_dims: int | None = None) -> int:
+    """Bytes of `x` (an array or shape struct), or of one slice of its last `last_dims`
+    dims (a stored row: 1; a ring of rows: 2)."""
+    shape = x.shape if last_dims is None else x.shape[len(x.shape) - last_dims:]
+    return int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
 
 
 SIXTEEN_BIT = ("bfloat16", "float16")

@@ -30,7 +30,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import formats
 from pallas_kernels.common import (
+    cost_estimate,
     lane_frequencies,
+    nbytes,
     rotate_lanes,
     swap_pairs_tpu,
     tpu_interpret,
@@ -224,6 +226,10 @@ def emit_entries(pool, page_rows, layers, tail_kv, tail_gate, slot_ids, kv, gate
             dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=tpu_interpret(interpret),
         name="v4kv_compress_emit",
+        cost_estimate=cost_estimate(
+            flops=12 * n * batch * tokens * in_width,
+            transcendentals=n * batch * tokens * in_width,
+            bytes_accessed=2 * nbytes(kv) + n * batch * blocks * nbytes(pool, 1)),
     )(layers.astype(jnp.int32), slot_ids.astype(jnp.int32), start.astype(jnp.int32),
       n_new.astype(jnp.int32), page_rows.astype(jnp.int32).reshape(-1),
       norm.astype(jnp.float32)[:, None, :], lane_freq, kv, gate, tail_kv, tail_gate, pool)
@@ -353,6 +359,10 @@ def emit_entries_online(pool, page_rows, layers, tail_max, tail_sum, tail_weight
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=tpu_interpret(interpret),
         name="v4kv_compress_online",
+        cost_estimate=cost_estimate(
+            flops=12 * n * batch * tokens * width,
+            transcendentals=2 * n * batch * tokens * width,
+            bytes_accessed=2 * nbytes(kv) + 6 * n * batch * nbytes(tail_max, 1)),
     )(layers.astype(jnp.int32), slot_ids.astype(jnp.int32), start.astype(jnp.int32),
       n_new.astype(jnp.int32), page_rows.astype(jnp.int32).reshape(-1),
       norm.astype(jnp.float32)[:, None, :], lane_frequencies(inv_freq, width), kv, gate,

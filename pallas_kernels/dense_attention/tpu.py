@@ -24,8 +24,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import decode, formats, tpu_pipeline
 from pallas_kernels.common import (
+    cost_estimate,
     lane_frequencies,
     layer_index,
+    nbytes,
     tpu_interpret,
     tpu_row_copy_problem,
 )
@@ -133,6 +135,11 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
         name="v4kv_hca_dense_decode_attention",
+        cost_estimate=cost_estimate(
+            flops=4 * batch * heads * dim * (max_pages * epp + window_len),
+            transcendentals=batch * heads * (max_pages * epp + window_len),
+            bytes_accessed=batch * (max_pages * epp * nbytes(c128, 1) + nbytes(window, 2)
+                                    + 2 * heads * dim * 4)),
     )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1), *groups.queries(q),
       sink.astype(jnp.float32).reshape(heads, 1), window, c128)

@@ -29,7 +29,9 @@ from pallas_kernels.common import (
     HIGHEST,
     MASK_VALUE,
     candidate_scores,
+    cost_estimate,
     layer_index,
+    nbytes,
     tpu_interpret,
     tpu_row_copy_problem,
 )
@@ -147,6 +149,9 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
         name="v4kv_indexer_scores",
+        cost_estimate=cost_estimate(
+            flops=2 * batch * heads * dim * max_pages * epp,
+            bytes_accessed=batch * max_pages * epp * (nbytes(index_keys, 1) + 4)),
     )(layer_index(layer), q_pos.astype(jnp.int32), kv_end.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1),
       jnp.moveaxis(formats.to_planes(keys, index_q.astype(jnp.float32)), -2, 1),
