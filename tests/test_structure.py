@@ -19,8 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "v4kv_jax"
 
 # Lowest first: a module may import only modules before it (and the package's own children).
-ORDER = ["checks", "config", "programs", "layout", "storage", "vectors", "rope", "paging", "pools",
-         "mesh", "hot", "compressor", "indexer", "attention", "ops", "append", "step",
+ORDER = ["checks", "config", "programs", "targets", "layout", "storage", "vectors", "rope",
+         "paging", "pools", "mesh", "hot", "compressor", "indexer", "attention", "ops", "append",
+         "step",
          "prefix_disk", "page_tiers", "prefix", "prefix_cache", "manager", "sampling", "request",
          "nn", "engine", "interop", "testing", "cli"]
 

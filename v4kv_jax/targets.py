@@ -83,11 +83,8 @@ def _target_sharding(x, target):
         out = jax.sharding.NamedSharding(target, spec)
     elif isinstance(target, jax.sharding.Sharding):
         out = target
-    elif isinstance(target, jax.Device):
-        out = jax.sharding.SingleDeviceSharding(target)
     else:
-        checks.fail("target", "a jax.Device, Sharding or Mesh", type(target).__name__,
-                    TypeError)
+        out = jax.sharding.SingleDeviceSharding(target)
     if memory_kind is not None and memory_kind != out.memory_kind:
         out = out.with_memory_kind(memory_kind)
     return out
@@ -98,6 +95,10 @@ def abstract(tree, target):
     `target`: a device (memory kinds kept: host-memory arrays stay in host memory), a
     sharding, or a mesh (an array sharded on its own mesh gets the same partition spec on
     this one). Python scalars and other leaves pass unchanged."""
+    if not isinstance(target, (jax.Device, jax.sharding.Sharding, jax.sharding.Mesh)):
+        checks.fail("target", "a jax.Device, Sharding or Mesh", type(target).__name__,
+                    TypeError)
+
     def one(x):
         if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or (
                 isinstance(x, np.ndarray) and x.dtype != object):

@@ -2,7 +2,7 @@
 every Pallas kernel for a target over a sweep of configs (tests/test_tpu_compile.py,
 benchmarks/tpu_compile.py).
 
-`op_program(op, model, geometry, batch, tokens, options)` is (jitted function, abstract
+`op_program(op, model, geometry, batch, tokens, options)` is (a `programs.Program`, abstract
 arguments): the op as the decode step or a prefill chunk calls it (`ops.emit_entries` for
 each compressor, `ops.emit_entries_online`, `ops.index_scores`, `ops.sparse_decode_attention`,
 `ops.dense_decode_attention`), on arrays of the cache's shapes and storage formats. `compile_op`
@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import append, ops, pools, storage, targets
+from v4kv_jax import append, ops, pools, programs, storage, targets
 from v4kv_jax import config as cfg
 from v4kv_jax.layout import compressor_specs
 from v4kv_jax.vectors import CompressorInput, CompressorWeights, TokenVectors
@@ -87,7 +87,7 @@ def step_arguments(model: cfg.AttentionConfig, geometry: cfg.CacheConfig, batch:
 
 def op_program(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig, batch: int,
                tokens: int, options: cfg.Options):
-    """(jitted function, abstract arguments) of one op case (a key of `OP_CASES`): an
+    """(a `programs.Program`, abstract arguments) of one op case (a key of `OP_CASES`): an
     emission over a chunk of `tokens` tokens, or a read of one query per row."""
     op, name = OP_CASES[case]
     cache, vectors, weights, slot_ids, n_new = step_arguments(model, geometry, batch, tokens)
@@ -100,10 +100,11 @@ def op_program(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig,
             return append.append_compressor(cache, plan, spec, layers, getattr(vectors, name),
                                             getattr(weights, name), options)
 
-        return jax.jit(emit, donate_argnums=0), (cache, vectors, weights, slot_ids, n_new)
+        return (programs.program(f"sweep.{case}", emit, donate=("cache",), register=False),
+                (cache, vectors, weights, slot_ids, n_new))
 
     def positions(cache, slot_ids):
-        q_pos = cache.state.lengths[slot_ids]
+        q_pos = pools.lengths(cache)[slot_ids]
         return q_pos, q_pos + 1, pools.page_rows(cache, slot_ids)
 
     H, hd = model.num_heads, model.head_dim
@@ -115,7 +116,7 @@ def op_program(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig,
                                     page_rows=rows, index_q=index_q,
                                     index_weights=index_weights, q_pos=q_pos, kv_end=kv_end)
 
-        return jax.jit(read), (cache, slot_ids,
+        return programs.program(f"sweep.{case}", read, register=False), (cache, slot_ids,
                                _sds((batch, model.index_heads, model.index_head_dim)),
                                _sds((batch, model.index_heads)))
     kind = cfg.LayerKind.CSA if op == "sparse_decode_attention" else cfg.LayerKind.HCA
@@ -136,7 +137,7 @@ def op_program(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig,
     args = (cache, slot_ids, _sds((batch, H, hd)), _sds((H,)))
     if kind == cfg.LayerKind.CSA:
         args += (_sds((batch, model.index_topk), jnp.int32),)
-    return jax.jit(read), args
+    return programs.program(f"sweep.{case}", read, register=False), args
 
 
 def compile_op(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig, batch: int,
