@@ -1,5 +1,7 @@
 """The library compiled for TPUs, without a TPU: XLA:TPU and Mosaic (libtpu) compile the
-programs for devices of a named topology (`v4kv_jax.targets`).
+programs for devices of a named topology (`v4kv_jax.targets`). Run in a process of their own
+by tests/test_tpu_compile.py (libtpu and the TPU compiler's memory leave with it); by hand:
+`python -m pytest -o addopts= tests/tpu_compile_checks.py`.
 
 - Every Pallas TPU kernel, forced one op at a time, over a sweep of generations (v4, v5e,
   v6e), widths (the tests' tiny config, the notebook's, V4-Flash, V4-Pro), storage formats
@@ -40,7 +42,7 @@ def _device(generation: str):
 SLICES = {
     "v4": dict(widths=("tiny", "flash"), page_tokens=(128,), batches=(1,)),
     "v5e": dict(widths=("notebook", "pro"), page_tokens=(256,), batches=(64,)),
-    "v6e": dict(widths=("tiny", "notebook"), page_tokens=(256,), batches=(4,)),
+    "v6e": dict(widths=("tiny", "flash"), page_tokens=(256,), batches=(4,)),
 }
 
 
@@ -156,7 +158,7 @@ def test_the_data_parallel_step_compiles_for_four_chips_without_collectives():
     devices = targets.tpu_devices("v5e:2x2")
     mesh = jax.sharding.Mesh(np.array(devices), (meshes.DATA,))
     model, geometry = v4.tiny(), sweep.geometry_for("float32", 128, 2, context=512)
-    whole = jax.eval_shape(lambda: meshes._init(model, geometry, mesh))
+    whole = jax.eval_shape(lambda: meshes.init_cache(model, geometry, mesh))
     cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          whole, meshes.cache_shardings(whole, mesh))
     _, vectors, queries, weights, slot_ids, n_new = _step_arguments(model, geometry, 8, 1)
@@ -177,3 +179,18 @@ def test_the_slices_cover_every_width_page_size_and_batch():
     for field, every in (("widths", set(sweep.WIDTHS)), ("page_tokens", {128, 256}),
                          ("batches", {1, 64})):
         assert every <= set(itertools.chain(*(s[field] for s in SLICES.values()))), field
+
+
+def test_bad_targets_are_named():
+    with pytest.raises(ValueError, match=r"topology: expected a TPU topology name such as "
+                                         r"'v5e:1x1' or 'v4:2x2x1'; got 'v5e'"):
+        targets.tpu_devices("v5e")
+    with pytest.raises(ValueError, match=r"topology: expected a TPU topology libtpu knows; "
+                                         r"got 'v9z:1x1'"):
+        targets.tpu_devices("v9z:1x1")
+    with pytest.raises(TypeError, match=r"target: expected a jax.Device, Sharding or Mesh; "
+                                        r"got str$"):
+        targets.abstract(jnp.zeros(2), "tpu")
+    with pytest.raises(TypeError, match=r"program: expected a v4kv_jax Program or a jitted "
+                                        r"function; got function$"):
+        targets.compile_for(lambda x: x, jnp.zeros(2))
