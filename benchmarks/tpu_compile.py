@@ -12,7 +12,8 @@ is allocated), and prints per generation, context and batch:
                 equals the cache (no copy of a pool in the program)
   est. read     XLA's estimated bytes accessed (its cost analysis) next to the bytes the step
                 must read (`decode.v4_step_bytes`); XLA charges a gather its whole operand
-  est. ms       the cost analysis' estimated time, where it gives one
+  largest       per row, the ten operations touching the most bytes (result + operands,
+                from the optimized HLO; XLA:TPU's estimated cycles beside them)
 
 These are the compiler's estimates, never measurements (no TPU ran anything).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -37,7 +39,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from decode import add_model_arguments, bench_model, v4_step_bytes  # noqa: E402
-from measure import hlo_counts, write_result  # noqa: E402
+from measure import hlo_counts, hlo_operations, write_result  # noqa: E402
 
 import v4kv_jax as v4  # noqa: E402
 from v4kv_jax import programs, targets  # noqa: E402
@@ -64,6 +66,47 @@ def geometry_for(formats: str, context: int, batch: int) -> v4.CacheConfig:
     pages = -(-(context + 1) // 128)
     return v4.CacheConfig.with_formats(formats, num_pages=batch * pages + 1, max_slots=batch,
                                        max_pages_per_seq=pages, page_tokens=128)
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+             "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def _type_bytes(result: str) -> int:
+    """Bytes of an HLO result type (a tuple counts each element)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", result):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ITEMSIZE.get(dtype, 4)
+    return total
+
+
+def largest_operations(compiled, count: int = 10) -> list[dict]:
+    """The `count` operations of the optimized program (outside fusion bodies) that touch the
+    most bytes: their result plus their operands, each counted once per execution of its
+    computation (a loop body's operations once, whatever the trip count), with XLA:TPU's
+    estimated cycles where it records them."""
+    computations = hlo_operations(compiled.as_text())
+    types = {op["name"]: op["result"] for ops in computations.values() for op in ops}
+    rows = []
+    for name, ops in computations.items():
+        if "fused" in name or name.startswith(("region", "horizontally_fused")):
+            continue
+        for op in ops:
+            if op["opcode"] in ("parameter", "constant", "get-tuple-element", "tuple",
+                                "bitcast", "while", "conditional", "call"):
+                continue
+            call = op["rhs"][op["rhs"].index(op["opcode"] + "("):]
+            operands = re.findall(r"%([\w.\-]+)", call.split(")", 1)[0])
+            touched = _type_bytes(op["result"]) + sum(_type_bytes(types.get(o, ""))
+                                                      for o in operands)
+            cycles = re.search(r'"estimated_cycles":"(\d+)"', op["rhs"])
+            rows.append(dict(name=op["name"], opcode=op["opcode"], computation=name,
+                             result=op["result"], bytes=touched,
+                             estimated_cycles=int(cycles.group(1)) if cycles else None))
+    return sorted(rows, key=lambda r: -r["bytes"])[:count]
 
 
 def compile_step(model, generation: str, formats: str, context: int, batch: int) -> dict:
@@ -98,7 +141,8 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int)
         alias_mib=memory.alias_size_in_bytes / MIB,
         estimated_bytes_accessed=cost.get("bytes accessed"),
         estimated_flops=cost.get("flops"),
-        estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels))
+        estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels),
+        largest=largest_operations(compiled))
 
 
 HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'compile s':>9s} {'ops/layer':>9s} "
@@ -159,6 +203,13 @@ def main(argv=None):
             for batch in args.batches:
                 rows.append(compile_step(model, gen, args.formats, context, batch))
                 print(format_row(rows[-1]), flush=True)
+    for r in rows:
+        if r.get("largest"):
+            print(f"\nlargest operations by bytes touched, {r['generation']} "
+                  f"{r['context']} tokens, batch {r['batch']}:")
+            for op in r["largest"]:
+                print(f"  {op['bytes'] / MIB:9.1f} MiB  {op['opcode']:14s} {op['name']:32s} "
+                      f"{op['result'][:48]:48s} cycles {op['estimated_cycles']}")
     write_result(dict(widths=args.widths, formats=args.formats, rows=rows), args.out)
 
 
