@@ -1,5 +1,5 @@
 """Programs of one op each, built from a (model, geometry) as the step builds them, to compile
-every Pallas kernel for a target over a sweep of configs (tests/test_tpu_compile.py,
+every Pallas kernel for a target over a sweep of configs (tests/tpu_compile_checks.py,
 benchmarks/tpu_compile.py).
 
 `op_program(op, model, geometry, batch, tokens, options)` is (a `programs.Program`, abstract
