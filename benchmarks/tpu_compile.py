@@ -37,7 +37,6 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from decode import add_model_arguments, bench_model, v4_step_bytes  # noqa: E402
 from measure import hlo_counts, hlo_operations, write_result  # noqa: E402
 
@@ -52,14 +51,8 @@ MIB = 2**20
 def step_arguments(model, geometry, batch: int):
     cache, vectors, weights, slot_ids, n_new = compile_sweep.step_arguments(model, geometry,
                                                                             batch, 1)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    L = model.num_layers
-    queries = v4.Queries(q=f32(L, batch, 1, model.num_heads, model.head_dim),
-                         sink=f32(L, model.num_heads),
-                         index_q=f32(model.num_csa, batch, 1, model.index_heads,
-                                     model.index_head_dim),
-                         index_weights=f32(model.num_csa, batch, 1, model.index_heads))
-    return cache, vectors, queries, weights, slot_ids, n_new
+    return (cache, vectors, compile_sweep.step_queries(model, batch, 1), weights, slot_ids,
+            n_new)
 
 
 def geometry_for(formats: str, context: int, batch: int) -> v4.CacheConfig:

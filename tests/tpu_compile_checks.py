@@ -16,6 +16,8 @@ by tests/test_tpu_compile.py (libtpu and the TPU compiler's memory leave with it
 from __future__ import annotations
 
 import itertools
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -77,14 +79,7 @@ def test_a_rejected_config_says_why_and_auto_falls_back():
 def _step_arguments(model, geometry, batch, tokens):
     cache, vectors, weights, slot_ids, n_new = sweep.step_arguments(model, geometry, batch,
                                                                     tokens)
-    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-    L = model.num_layers
-    queries = v4.Queries(q=f32(L, batch, tokens, model.num_heads, model.head_dim),
-                         sink=f32(L, model.num_heads),
-                         index_q=f32(model.num_csa, batch, tokens, model.index_heads,
-                                     model.index_head_dim),
-                         index_weights=f32(model.num_csa, batch, tokens, model.index_heads))
-    return cache, vectors, queries, weights, slot_ids, n_new
+    return cache, vectors, sweep.step_queries(model, batch, tokens), weights, slot_ids, n_new
 
 
 def _kernels(compiled) -> set[str]:
@@ -194,3 +189,15 @@ def test_bad_targets_are_named():
     with pytest.raises(TypeError, match=r"program: expected a v4kv_jax Program or a jitted "
                                         r"function; got function$"):
         targets.compile_for(lambda x: x, jnp.zeros(2))
+
+
+def test_the_readme_recipe_compiles_v4_flash_for_a_v5e_as_written():
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Compiling for a TPU from any host\n", 1)[1].split("\n### ")[0]
+    (code,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - the README's own code
+    memory = scope["compiled"].memory_analysis()
+    assert memory.alias_size_in_bytes > 0.9 * memory.argument_size_in_bytes
+    text = scope["compiled"].as_text()
+    assert len(_kernels(scope["compiled"])) == 4 and "v4kv_compress_online" in text

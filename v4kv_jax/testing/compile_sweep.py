@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from v4kv_jax import append, ops, pools, programs, storage, targets
 from v4kv_jax import config as cfg
 from v4kv_jax.layout import compressor_specs
-from v4kv_jax.vectors import CompressorInput, CompressorWeights, TokenVectors
+from v4kv_jax.vectors import CompressorInput, CompressorWeights, Queries, TokenVectors
 
 # Model widths the sweep covers: the tests' config, the notebook's, the two releases.
 WIDTHS = {
@@ -83,6 +83,17 @@ def step_arguments(model: cfg.AttentionConfig, geometry: cfg.CacheConfig, batch:
     vectors = TokenVectors(window=_sds((model.num_layers, batch, tokens, model.head_dim)),
                            **inputs)
     return cache, vectors, weights, _sds((batch,), jnp.int32), _sds((batch,), jnp.int32)
+
+
+def step_queries(model: cfg.AttentionConfig, batch: int, tokens: int) -> Queries:
+    """Abstract `Queries` of every layer for a chunk, stacked as `step.append_and_attend`
+    takes them."""
+    L = model.num_layers
+    return Queries(q=_sds((L, batch, tokens, model.num_heads, model.head_dim)),
+                   sink=_sds((L, model.num_heads)),
+                   index_q=_sds((model.num_csa, batch, tokens, model.index_heads,
+                                 model.index_head_dim)),
+                   index_weights=_sds((model.num_csa, batch, tokens, model.index_heads)))
 
 
 def op_program(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig, batch: int,
@@ -207,4 +218,4 @@ def sweep(cases=tuple(OP_CASES), generations=tuple(targets.GENERATIONS), widths=
 
 
 __all__ = ["FORMATS", "OP_CASES", "Row", "WIDTHS", "applies", "compile_op", "geometry_for",
-           "kernel_supported", "op_program", "step_arguments", "sweep"]
+           "kernel_supported", "op_program", "step_arguments", "step_queries", "sweep"]
