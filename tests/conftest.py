@@ -44,10 +44,10 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 # The files that take longest, longest first: `--dist loadfile` hands files to the workers in
 # collection order, so these start first and the short files fill in around them.
-_LONGEST_FIRST = ("test_mesh.py", "test_formats.py", "test_engine.py", "test_isolation.py",
-                  "test_step.py", "test_state_machine.py", "test_kernel_dispatch.py",
-                  "test_kernel_compressor.py", "test_hot.py", "test_nn_model.py",
-                  "test_layer_recipe.py", "test_cli.py", "test_notebook.py")
+_LONGEST_FIRST = ("test_mesh.py", "test_tpu_compile.py", "test_formats.py", "test_engine.py",
+                  "test_isolation.py", "test_step.py", "test_state_machine.py",
+                  "test_kernel_dispatch.py", "test_kernel_compressor.py", "test_hot.py",
+                  "test_nn_model.py", "test_layer_recipe.py", "test_cli.py", "test_notebook.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
