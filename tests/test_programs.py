@@ -6,6 +6,7 @@ import logging
 import re
 
 import jax.numpy as jnp
+import pytest
 
 from v4kv_jax import programs
 
@@ -26,3 +27,26 @@ def test_a_compiling_call_logs_its_start_and_duration(caplog):
     assert caplog.records == []
     outer(jnp.zeros(4))  # a new shape compiles again
     assert [r.getMessage().split()[0] for r in caplog.records] == ["compiling", "compiled"]
+
+
+def test_capture_stop_at_records_the_call_without_compiling_or_running_it():
+    ran = []
+    inner = programs.program("capture_inner", lambda x: x * 2, register=False)
+    outer = programs.program("capture_outer", lambda x: inner(x) + 1, register=False)
+    with programs.capture(stop_at=outer) as calls:
+        inner(jnp.ones(3))
+        outer(jnp.ones((2, 3)))
+        ran.append("after")
+    assert [c.program for c in calls] == [inner, outer]  # outermost calls only
+    assert calls[1].args[0].shape == (2, 3) and calls[1].args[0].dtype == jnp.float32
+    assert ran == [] and outer.traces == 0 and inner.traces == 1
+    with programs.capture() as calls:  # without stop_at every call runs
+        assert float(outer(jnp.ones(()))) == 3.0
+    assert [c.program for c in calls] == [outer]
+
+
+def test_capture_names_a_bad_stop_at():
+    with pytest.raises(TypeError, match="stop_at: expected a v4kv_jax Program or None; "
+                                        "got function"):
+        with programs.capture(stop_at=lambda x: x):
+            pass

@@ -119,9 +119,10 @@ def test_a_forced_kernel_compiles_for_its_platform_only():
                             mesh=None)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def notebook_generator_call():
-    """The notebook's model and Generator, its one call recorded on the CPU (a tiny prompt)."""
+    """The notebook's model and Generator, its program's call recorded (not compiled or run on
+    the CPU: `capture(stop_at=...)`)."""
     from flax import nnx
 
     from v4kv_jax.nn import Decoder, Generator, ModelConfig
@@ -131,18 +132,20 @@ def notebook_generator_call():
     model = Decoder(config, rngs=nnx.Rngs(0), bias_scale=0.5)
     geometry = v4.CacheConfig(num_pages=64, max_slots=4, max_pages_per_seq=8)
     gen = Generator(model, geometry, max_prompt_len=512, max_new_tokens=24, prefill_chunk=128)
-    with programs.capture() as calls:
+    with programs.capture(stop_at=gen.program) as calls:
         gen.generate([[1, 2, 3]], 2)
+    assert gen.program.traces == 0  # recorded only
     (call,) = [c for c in calls if c.program is gen.program]
     return call
 
 
 @pytest.mark.time_limit(280)
-def test_the_notebooks_generator_compiles_for_a_colab_tpu(notebook_generator_call):
-    """The notebook's Generator program (what it runs on a Colab TPU) compiled for one v5e
-    chip, with the TPU kernels "auto" picks (v6e: `benchmarks/tpu_compile.py`)."""
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_notebooks_generator_compiles_for_a_colab_tpu(notebook_generator_call, generation):
+    """The notebook's Generator program (what it runs on a Colab TPU) compiled for the single
+    chips Colab offers, with the TPU kernels "auto" picks."""
     call = notebook_generator_call
-    compiled = targets.compile_for(call.program, *call.args, target=_device("v5e"),
+    compiled = targets.compile_for(call.program, *call.args, target=_device(generation),
                                    **call.kwargs)
     assert {"v4kv_compress_emit", "v4kv_indexer_scores"} <= _kernels(compiled)
 

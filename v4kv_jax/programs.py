@@ -82,7 +82,10 @@ class Program:
         kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
         self._call = (args, kwargs)
         if _CAPTURES and self._outermost():
-            _CAPTURES[-1].append(Call(self, *_abstract_call(args, kwargs)))
+            calls = _CAPTURES[-1]
+            calls.append(Call(self, *_abstract_call(args, kwargs)))
+            if calls.stop_at is self:
+                raise _Stopped(calls)
         try:
             return self._jitted(*args, **kwargs)
         finally:
@@ -149,7 +152,21 @@ class Call:
     kwargs: dict
 
 
-_CAPTURES: list[list[Call]] = []
+class _Calls(list):
+    def __init__(self, stop_at):
+        super().__init__()
+        self.stop_at = stop_at
+
+
+class _Stopped(Exception):
+    """Ends a `capture(stop_at=...)` block at its program's call."""
+
+    def __init__(self, calls):
+        super().__init__("a programs.capture(stop_at=...) block ended at its program's call")
+        self.calls = calls
+
+
+_CAPTURES: list[_Calls] = []
 
 
 def _abstract_call(args, kwargs):
@@ -162,14 +179,28 @@ def _abstract_call(args, kwargs):
 
 
 @contextlib.contextmanager
-def capture():
-    """Records the calls of every `Program` made inside the block (they still run) as a list
-    of `Call`s, in call order; `v4kv_jax.targets.compile_for(call.program, *call.args,
-    target=..., **call.kwargs)` compiles one for another target."""
-    calls: list[Call] = []
+def capture(stop_at: Program | None = None):
+    """Records the calls of every `Program` made inside the block as a list of `Call`s, in
+    call order; `v4kv_jax.targets.compile_for(call.program, *call.args, target=...,
+    **call.kwargs)` compiles one for another target.
+
+    The calls run, except a call of `stop_at`: it is recorded, and the block ends there
+    (the rest of the block is skipped, no error). So a program can be captured for another
+    target without compiling or running it here, e.g. a Generator's program at widths this
+    host could not run: `with capture(stop_at=gen.program) as calls: gen.generate(...)`.
+    The object whose method was stopped may be left unusable (an Engine is): capture from a
+    throwaway one.
+    """
+    if stop_at is not None and not isinstance(stop_at, Program):
+        raise TypeError("stop_at: expected a v4kv_jax Program or None; got "
+                        f"{type(stop_at).__name__}")
+    calls = _Calls(stop_at)
     _CAPTURES.append(calls)
     try:
         yield calls
+    except _Stopped as stopped:
+        if stopped.calls is not calls:
+            raise
     finally:
         _CAPTURES.remove(calls)
 

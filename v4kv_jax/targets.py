@@ -17,10 +17,11 @@ of the platform the program is compiled for (`ops.choices`), so the same call co
 reference on CPU and the TPU kernels on a TPU. `compiled.memory_analysis()` and
 `compiled.cost_analysis()` are then the TPU compiler's own estimates (never measurements).
 
-`programs.capture()` records the arguments of the programs a piece of code calls (run once
-on the CPU, at any size), so a program built inside a class (the Generator's, the Engine's
-step) compiles for a TPU with the same arguments: `compile_for(call.program, *call.args,
-target=devices[0], **call.kwargs)`.
+`programs.capture()` records the arguments of the programs a piece of code calls, so a
+program built inside a class (the Generator's, the Engine's step) compiles for a TPU with the
+same arguments: `compile_for(call.program, *call.args, target=devices[0], **call.kwargs)`.
+With `stop_at=` that program's call is recorded without being compiled or run here (any
+width: nothing of its size is allocated on this host).
 """
 
 from __future__ import annotations
