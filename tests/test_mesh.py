@@ -21,6 +21,8 @@ from v4kv_jax import mesh as meshes
 from v4kv_jax.engine import Engine
 from v4kv_jax.nn import Decoder, Generator, ModelConfig
 
+from conftest import default_emitters
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ATTENTION = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))
 CONFIG = ModelConfig(ATTENTION, vocab_size=40, mlp_hidden=48)
@@ -58,7 +60,9 @@ def test_mesh_arguments_are_checked():
 
 def test_eight_host_devices():
     """tests/multi_device.py with eight host devices, in a subprocess."""
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    # XLA's default fusion emitters: the bits a one-device run gives (tests/conftest.py).
+    flags = default_emitters(os.environ.get("XLA_FLAGS", "")) + (
+        " --xla_force_host_platform_device_count=8")
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",

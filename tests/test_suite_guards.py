@@ -72,3 +72,21 @@ def test_a_worker_that_dies_ends_the_run_naming_its_test(kind, report):
     # The report, then the stacks: the dying thread's goes down to the test.
     assert report in out and f"in test_on_demand_{kind}" in out, out[-4000:]
     assert "1 failed" in out, out[-4000:]
+
+
+def test_the_longest_files_go_out_first():
+    """`--dist loadfile` hands whole files to the workers; with xdist's reordering off they go
+    in collection order, which tests/conftest.py starts with the longest files (with it on,
+    the files with the most tests go first and a one-test file of minutes ends the run alone)."""
+    import pathlib
+
+    import tomllib
+
+    from conftest import _LONGEST_FIRST
+
+    root = pathlib.Path(HERE).parent
+    opts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["addopts"].split()
+    assert "loadfile" in opts and "--no-loadscope-reorder" in opts, opts
+    files = {p.name for p in pathlib.Path(HERE).rglob("test_*.py")}
+    assert set(_LONGEST_FIRST) <= files, set(_LONGEST_FIRST) - files
