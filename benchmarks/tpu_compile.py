@@ -7,7 +7,10 @@ is allocated), and prints per generation, context and batch:
 
   compile s     XLA:TPU + Mosaic compile time on this machine
   ops / fusions the optimized program's top-level operations and fusions, per layer
-  temp MiB      the compiler's temporaries; cache MiB the donated cache (argument bytes)
+  temp MiB      the compiler's temporaries; cache MiB the donated cache's logical bytes,
+                arg MiB the arguments as laid out on the chip (rows padded to its tiles)
+  copied MiB    bytes of the copies of cache arrays in the program (relayouts of the cache;
+                a loop body's copies counted once)
   alias MiB     argument bytes aliased to outputs: the cache updated in place when it
                 equals the cache (no copy of a pool in the program)
   est. read     XLA's estimated bytes accessed (its cost analysis) next to the bytes the step
@@ -19,6 +22,7 @@ These are the compiler's estimates, never measurements (no TPU ran anything).
 
     python benchmarks/tpu_compile.py                        # v5e, v6e; 32k, 128k; batch 4, 64
     python benchmarks/tpu_compile.py --widths flash --generations v5e
+    python benchmarks/tpu_compile.py --cache-layout default auto   # the pools' layouts
     python benchmarks/tpu_compile.py --sweep                # every kernel over the product
 
 `--sweep` compiles every Pallas TPU kernel, one op at a time, over generations x widths x
@@ -38,6 +42,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 from decode import add_model_arguments, bench_model, v4_step_bytes  # noqa: E402
+from jax.experimental.layout import Format, Layout  # noqa: E402
 from measure import hlo_counts, hlo_operations, write_result  # noqa: E402
 
 import v4kv_jax as v4  # noqa: E402
@@ -102,16 +107,33 @@ def largest_operations(compiled, count: int = 10) -> list[dict]:
     return sorted(rows, key=lambda r: -r["bytes"])[:count]
 
 
-def compile_step(model, generation: str, formats: str, context: int, batch: int) -> dict:
+def _compile(args, device, cache_layout: str):
+    """The step compiled for `device`; cache_layout "auto": the cache's layouts (in and out)
+    left to the compiler, which picks the kernels' row-major one (no relayout in the step;
+    a caller would place the cache with `compiled.input_formats`)."""
+    step = programs.PROGRAMS["step.append_and_attend"]
+    options = v4.Options()
+    if cache_layout == "default":
+        return targets.compile_for(step, *args, target=device, options=options, mesh=None)
+    here = jax.sharding.SingleDeviceSharding(device)
+    auto = Format(Layout.AUTO, here)
+    jitted = jax.jit(lambda cache, *rest: step(cache, *rest, options=options, mesh=None),
+                     in_shardings=(jax.tree.map(lambda _: auto, args[0]),) + (here,) * 5,
+                     out_shardings=auto, donate_argnums=0)
+    return jitted.trace(*targets.abstract(args, device)).lower().compile()
+
+
+def compile_step(model, generation: str, formats: str, context: int, batch: int,
+                 cache_layout: str = "default") -> dict:
     geometry = geometry_for(formats, context, batch)
     args = step_arguments(model, geometry, batch)
     device = targets.tpu_devices(targets.GENERATIONS[generation])[0]
     start = time.perf_counter()
     base = dict(generation=generation, formats=formats, context=context, batch=batch,
+                cache_layout=cache_layout,
                 must_read_bytes=v4_step_bytes(model, geometry, batch, context))
     try:
-        compiled = targets.compile_for(programs.PROGRAMS["step.append_and_attend"], *args,
-                                       target=device, options=v4.Options(), mesh=None)
+        compiled = _compile(args, device, cache_layout)
     except Exception as e:  # the compiler's verdict (e.g. temporaries past the chip's HBM)
         return dict(base, error=str(e).split("\n")[0][:300],
                     compile_s=round(time.perf_counter() - start, 1))
@@ -126,31 +148,39 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int)
                           "v4kv_csa_sparse_decode_attention",
                           "v4kv_hca_dense_decode_attention") for _ in range(text.count(name)))
     cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
+    big = {",".join(map(str, x.shape)) for x in jax.tree.leaves(args[0])
+           if x.size * x.dtype.itemsize >= MIB}
+    pool_copies = sum(_type_bytes(op["result"]) for name, ops in hlo_operations(text).items()
+                      if "fused" not in name for op in ops if op["opcode"] == "copy" and
+                      re.search(r"\[([\d,]*)\]", op["result"]).group(1) in big)
     return dict(
         base, compile_s=round(seconds, 1), layers=model.num_layers,
         entry_ops=counts["entry_ops"], fusions=counts["fusions"],
         temp_mib=memory.temp_size_in_bytes / MIB, cache_mib=cache_bytes / MIB,
         argument_mib=memory.argument_size_in_bytes / MIB,
-        alias_mib=memory.alias_size_in_bytes / MIB,
+        alias_mib=memory.alias_size_in_bytes / MIB, pool_copy_mib=pool_copies / MIB,
         estimated_bytes_accessed=cost.get("bytes accessed"),
         estimated_flops=cost.get("flops"),
         estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels),
         largest=largest_operations(compiled))
 
 
-HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'compile s':>9s} {'ops/layer':>9s} "
-          f"{'fus/layer':>9s} {'temp MiB':>9s} {'cache MiB':>9s} {'alias MiB':>9s} "
+HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'layout':7s} {'compile s':>9s} {'ops/layer':>9s} "
+          f"{'fus/layer':>9s} {'temp MiB':>9s} {'cache MiB':>9s} {'arg MiB':>9s} "
+          f"{'alias MiB':>9s} {'copied MiB':>10s} "
           f"{'est. read MiB':>13s} {'must read MiB':>13s}  kernels")
 
 
 def format_row(r: dict) -> str:
     if "error" in r:
-        return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} {r['compile_s']:9.1f} "
-                f"does not compile: {r['error']}")
+        return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} "
+                f"{r['cache_layout']:7s} {r['compile_s']:9.1f} does not compile: {r['error']}")
     est = r["estimated_bytes_accessed"]
-    return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} {r['compile_s']:9.1f} "
-            f"{r['entry_ops'] / r['layers']:9.1f} {r['fusions'] / r['layers']:9.1f} "
-            f"{r['temp_mib']:9.1f} {r['cache_mib']:9.1f} {r['alias_mib']:9.1f} "
+    return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} {r['cache_layout']:7s} "
+            f"{r['compile_s']:9.1f} {r['entry_ops'] / r['layers']:9.1f} "
+            f"{r['fusions'] / r['layers']:9.1f} "
+            f"{r['temp_mib']:9.1f} {r['cache_mib']:9.1f} {r['argument_mib']:9.1f} "
+            f"{r['alias_mib']:9.1f} {r['pool_copy_mib']:10.1f} "
             f"{(est or 0) / MIB:13.1f} {r['must_read_bytes'] / MIB:13.1f}  "
             f"{len(r['kernels'])} ({', '.join(k.removeprefix('v4kv_') for k in r['kernels'])})")
 
@@ -172,17 +202,23 @@ def run_sweep(args) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--generations", nargs="+", default=["v5e", "v6e"],
-                   choices=sorted(targets.GENERATIONS))
+    p.add_argument("--generations", nargs="+", choices=sorted(targets.GENERATIONS),
+                   help="default: v5e v6e for the table, every generation for --sweep")
     p.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     p.add_argument("--batches", nargs="+", type=int, default=[4, 64])
     p.add_argument("--formats", default="release", choices=sorted(v4.config.FORMAT_SETS))
     p.add_argument("--widths", default="decode", choices=["decode", "flash"],
                    help="decode: benchmarks/decode.py's reduced widths; flash: V4-Flash's")
+    p.add_argument("--cache-layout", nargs="+", default=["default"],
+                   choices=["default", "auto"],
+                   help="default: the TPU's own layout for each pool array (narrow packed "
+                        "rows: pages minor); auto: the compiler's choice for the step")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "results", "tpu_compile.json"))
     add_model_arguments(p)
     args = p.parse_args(argv)
+    args.generations = args.generations or (list(targets.GENERATIONS) if args.sweep
+                                            else ["v5e", "v6e"])
     if args.sweep:
         return write_result(run_sweep(args), args.out)
     model = v4.flash() if args.widths == "flash" else bench_model(args)
@@ -194,12 +230,13 @@ def main(argv=None):
     for gen in args.generations:
         for context in args.contexts:
             for batch in args.batches:
-                rows.append(compile_step(model, gen, args.formats, context, batch))
-                print(format_row(rows[-1]), flush=True)
+                for layout in args.cache_layout:
+                    rows.append(compile_step(model, gen, args.formats, context, batch, layout))
+                    print(format_row(rows[-1]), flush=True)
     for r in rows:
         if r.get("largest"):
             print(f"\nlargest operations by bytes touched, {r['generation']} "
-                  f"{r['context']} tokens, batch {r['batch']}:")
+                  f"{r['context']} tokens, batch {r['batch']}, {r['cache_layout']} layout:")
             for op in r["largest"]:
                 print(f"  {op['bytes'] / MIB:9.1f} MiB  {op['opcode']:14s} {op['name']:32s} "
                       f"{op['result'][:48]:48s} cycles {op['estimated_cycles']}")
