@@ -81,12 +81,11 @@ def _type_bytes(result: str) -> int:
     return total
 
 
-def largest_operations(compiled, count: int = 10) -> list[dict]:
-    """The `count` operations of the optimized program (outside fusion bodies) that touch the
-    most bytes: their result plus their operands, each counted once per execution of its
-    computation (a loop body's operations once, whatever the trip count), with XLA:TPU's
-    estimated cycles where it records them."""
-    computations = hlo_operations(compiled.as_text())
+def largest_operations(computations: dict, count: int = 10) -> list[dict]:
+    """The `count` operations of the optimized program (`hlo_operations` of its text) outside
+    fusion bodies that touch the most bytes: their result plus their operands, each counted
+    once per execution of its computation (a loop body's operations once, whatever the trip
+    count), with XLA:TPU's estimated cycles where it records them."""
     types = {op["name"]: op["result"] for ops in computations.values() for op in ops}
     rows = []
     for name, ops in computations.items():
@@ -150,7 +149,8 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
     cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
     big = {",".join(map(str, x.shape)) for x in jax.tree.leaves(args[0])
            if x.size * x.dtype.itemsize >= MIB}
-    pool_copies = sum(_type_bytes(op["result"]) for name, ops in hlo_operations(text).items()
+    computations = hlo_operations(text)
+    pool_copies = sum(_type_bytes(op["result"]) for name, ops in computations.items()
                       if "fused" not in name for op in ops if op["opcode"] == "copy" and
                       re.search(r"\[([\d,]*)\]", op["result"]).group(1) in big)
     return dict(
@@ -162,7 +162,7 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
         estimated_bytes_accessed=cost.get("bytes accessed"),
         estimated_flops=cost.get("flops"),
         estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels),
-        largest=largest_operations(compiled))
+        largest=largest_operations(computations))
 
 
 HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'layout':7s} {'compile s':>9s} {'ops/layer':>9s} "

@@ -158,8 +158,10 @@ class _Calls(list):
         self.stop_at = stop_at
 
 
-class _Stopped(Exception):
-    """Ends a `capture(stop_at=...)` block at its program's call."""
+class _Stopped(BaseException):
+    """Ends a `capture(stop_at=...)` block at its program's call: control flow, not an error,
+    so the library's `except Exception` handlers (an Engine's per-request failures) let it
+    through."""
 
     def __init__(self, calls):
         super().__init__("a programs.capture(stop_at=...) block ended at its program's call")
