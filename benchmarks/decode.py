@@ -52,10 +52,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from measure import hlo_counts, read_bandwidth, write_result  # noqa: E402
 
-from v4kv_jax import append, pools, step, storage  # noqa: E402
+from v4kv_jax import append, pools, step  # noqa: E402
 from v4kv_jax import config as cfg  # noqa: E402
 from v4kv_jax import mesh as meshes  # noqa: E402
 from v4kv_jax.config import FORMAT_SETS  # noqa: E402
+from v4kv_jax.pools import storage  # noqa: E402
 from v4kv_jax.testing import synthetic  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -44,7 +44,7 @@ from measure import copy_bandwidth, write_result
 from v4kv_jax import config as cfg
 from v4kv_jax import ops, pools, step
 from v4kv_jax.config import LayerKind
-from v4kv_jax.layout import compressor_specs
+from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.testing import synthetic
 from v4kv_jax.vectors import LayerRef
 

@@ -45,8 +45,8 @@ from measure import write_result
 
 from v4kv_jax import cli
 from v4kv_jax import config as cfg
-from v4kv_jax.engine import Engine
 from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.serve.engine import Engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PATHS = ("cold", "device", "host", "disk", "replay")

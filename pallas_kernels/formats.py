@@ -1,7 +1,7 @@
 """Stored row formats inside the kernels: packed rows are decoded in registers, never widened
 into a full-precision copy of a pool.
 
-The byte layouts are those of `v4kv_jax.storage` (its docstring is the truth; kernels import
+The byte layouts are those of `v4kv_jax.pools.storage` (its docstring is the truth; kernels import
 nothing from v4kv_jax, so the decoders and encoders here are written again with integer ops
 only: shifts, masks, fp32 bit patterns built by hand and `bitcast_convert_type` from int32,
 no fp8 / fp4 dtypes, so they lower on Mosaic TPU and Triton GPU alike):

@@ -1,6 +1,6 @@
 """A filesystem that fails on demand under one directory, for the disk tier's fault tests.
 
-`FaultyDirectory` wraps the `os` functions the disk tier calls (`v4kv_jax.prefix_disk` makes
+`FaultyDirectory` wraps the `os` functions the disk tier calls (`v4kv_jax.prefix.disk` makes
 every filesystem call through them) with pytest's monkeypatch. Calls on paths under its root,
 and on file descriptors opened there, fail as armed; every other call (pytest's, JAX's, the
 rest of the test) goes to the real function untouched.

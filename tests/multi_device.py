@@ -16,9 +16,9 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax import mesh as meshes
 from v4kv_jax import pools, programs
-from v4kv_jax.engine import Engine, compiled_step_programs
 from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.pools import SlotStatus
+from v4kv_jax.serve.engine import Engine, compiled_step_programs
 from v4kv_jax.testing import synthetic
 
 from faults import FaultyDirectory

@@ -4,10 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import v4kv_jax as v4
-from v4kv_jax import compressor as comp
 from v4kv_jax import rope
 from v4kv_jax.config import LayerKind
-from v4kv_jax.layout import CompressorSpec
+from v4kv_jax.ops import compressor as comp
+from v4kv_jax.pools.layout import CompressorSpec
 from v4kv_jax.testing import oracle
 
 # width 8 with rope_dim 2: dims 0..5 are never rotated, so the numbers stay readable.

@@ -1,4 +1,4 @@
-"""The token-aware engine (`v4kv_jax.engine.Engine`): continuous batching with prefix sharing.
+"""The token-aware engine (`v4kv_jax.serve.engine.Engine`): continuous batching with prefix sharing.
 
 Every hit is held to a cold run of the same prompt (greedy tokens identical, logits within
 1e-5), for each way the State at the hit is rebuilt. A cold run is the same engine with a salt
@@ -24,10 +24,11 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import engine as engine_module
-from v4kv_jax import pools, prefix_cache
-from v4kv_jax.engine import Engine
+from v4kv_jax import pools
 from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.prefix import cache as prefix_cache
+from v4kv_jax.serve import engine as engine_module
+from v4kv_jax.serve.engine import Engine
 from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY

@@ -26,10 +26,12 @@ import jax
 import numpy as np
 import pytest
 
-from v4kv_jax import pools, prefix, prefix_cache, prefix_disk
-from v4kv_jax.engine import EngineError
-from v4kv_jax.manager import SlotTable
-from v4kv_jax.paging import pages_for
+from v4kv_jax import pools, prefix
+from v4kv_jax.pools.paging import pages_for
+from v4kv_jax.prefix import cache as prefix_cache
+from v4kv_jax.prefix import disk as prefix_disk
+from v4kv_jax.serve.engine import EngineError
+from v4kv_jax.serve.manager import SlotTable
 
 from faults import FaultyDirectory
 from test_engine import BASE, ROOT, P, assert_same, engine
@@ -395,7 +397,7 @@ def test_a_path_that_cannot_be_a_directory_is_an_error_at_engine(tmp_path, monke
 
 _DYING_WRITER = """
 import os, sys
-from v4kv_jax.prefix_disk import SnapshotDirectory
+from v4kv_jax.prefix.disk import SnapshotDirectory
 directory = SnapshotDirectory(sys.argv[1], max_files=None, max_bytes=None)
 os.fsync = lambda fd: os._exit(9)  # the process dies with the file half done
 directory.write(bytes.fromhex(sys.argv[2]), open(sys.argv[3], "rb").read())

@@ -12,9 +12,10 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax import append, ops, pools, step
 from v4kv_jax.config import LayerKind
-from v4kv_jax.manager import CacheManager
-from v4kv_jax.nn import Decoder, Generator, ModelConfig, forward
+from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.pools import SlotStatus
+from v4kv_jax.serve import Generator, forward
+from v4kv_jax.serve.manager import CacheManager
 from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY, MODEL

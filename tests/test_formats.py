@@ -29,8 +29,10 @@ import pytest
 from test_isolation import POISONS, _poisoner, assert_runs_identical, core_scenario
 
 import v4kv_jax as v4
-from v4kv_jax import cli, indexer, pools, step, storage
+from v4kv_jax import cli, pools, step
 from v4kv_jax.config import LayerKind
+from v4kv_jax.ops import indexer
+from v4kv_jax.pools import storage
 from v4kv_jax.testing import oracle, synthetic
 
 from conftest import hypothesis_examples, positions

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import v4kv_jax as v4
-from v4kv_jax import hot, pools, step
+from v4kv_jax import pools, step
+from v4kv_jax.ops import hot
 from v4kv_jax.testing import synthetic
 
 from conftest import MODEL, OPTIONS, chunk_plan, new_cache, positions, run_chunks

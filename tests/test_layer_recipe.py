@@ -14,9 +14,9 @@ from flax import nnx
 
 import v4kv_jax as v4
 from v4kv_jax import interop
-from v4kv_jax.compressor import rms_norm
 from v4kv_jax.config import LayerKind
 from v4kv_jax.nn import Decoder, ModelConfig, V4Attention, forward
+from v4kv_jax.ops.compressor import rms_norm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = v4.tiny(index_heads=16)  # SWA, then (CSA, HCA) x 2; enough indexer heads for no ties

@@ -1,4 +1,4 @@
-"""The one host lifecycle (`v4kv_jax.manager`): subset calls, batch buckets that compile once,
+"""The one host lifecycle (`v4kv_jax.serve.manager`): subset calls, batch buckets that compile once,
 the same flag -> error mapping for the manager and the Generator, traces per Generator."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from flax import nnx
 
 import v4kv_jax as v4
 from v4kv_jax import pools, step
-from v4kv_jax.manager import (
+from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.serve import Generator
+from v4kv_jax.serve.manager import (
     CacheManager,
     PoolExhaustedError,
     SlotFlaggedError,
@@ -20,7 +22,6 @@ from v4kv_jax.manager import (
     batch_buckets,
     bucket_size,
 )
-from v4kv_jax.nn import Decoder, Generator, ModelConfig
 from v4kv_jax.testing import synthetic
 
 from conftest import CHUNK, GEOMETRY, MODEL, positions

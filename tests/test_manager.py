@@ -6,7 +6,7 @@ import pytest
 
 import v4kv_jax as v4
 from v4kv_jax import pools
-from v4kv_jax.manager import CacheManager, PoolExhaustedError
+from v4kv_jax.serve.manager import CacheManager, PoolExhaustedError
 from v4kv_jax.testing import synthetic
 
 from conftest import CHUNK, MODEL, positions

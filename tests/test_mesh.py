@@ -18,8 +18,9 @@ from flax import nnx
 
 import v4kv_jax as v4
 from v4kv_jax import mesh as meshes
-from v4kv_jax.engine import Engine
-from v4kv_jax.nn import Decoder, Generator, ModelConfig
+from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.serve import Generator
+from v4kv_jax.serve.engine import Engine
 
 from conftest import default_emitters
 

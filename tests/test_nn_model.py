@@ -14,8 +14,9 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax import interop
 from v4kv_jax.config import LayerKind
-from v4kv_jax.nn import Decoder, Generator, ModelConfig, V4Attention, forward, layer_groups
+from v4kv_jax.nn import Decoder, ModelConfig, V4Attention, layer_groups
 from v4kv_jax.nn.model import MLP
+from v4kv_jax.serve import Generator, forward
 
 MODEL = v4.tiny(index_heads=16)  # all three kinds; enough indexer heads to avoid score ties
 CONFIG = ModelConfig(MODEL, vocab_size=48, mlp_hidden=80)
@@ -268,7 +269,7 @@ def test_output_projection_equals_the_grouped_formula():
     """SPEC section 6 in float64: group j of the heads' outputs goes through rows
     j*R .. (j+1)*R - 1 of W_oa, the groups' results are concatenated and go through W_ob.
     The reference and the Flax modules share this one projection."""
-    from v4kv_jax.attention import output_projection
+    from v4kv_jax.ops.attention import output_projection
 
     rng = np.random.default_rng(0)
     H, hd, g, R, D = MODEL.num_heads, MODEL.head_dim, MODEL.o_groups, MODEL.o_lora_rank, 24

@@ -1,5 +1,5 @@
 """Cold pages: listed pages leave the device pool for the host tier, then the disk tier, and
-come back on a hit (`v4kv_jax.page_tiers`, through the Engine's prefix cache).
+come back on a hit (`v4kv_jax.prefix.tiers`, through the Engine's prefix cache).
 
 Every request is held to a cold run (tests/test_engine.py); between steps everything no live
 request or the index owns is NaN, and every page's refcount equals its holders (page tables
@@ -16,7 +16,8 @@ import warnings
 import numpy as np
 import pytest
 
-from v4kv_jax import page_tiers, prefix
+from v4kv_jax import prefix
+from v4kv_jax.prefix import tiers as page_tiers
 from v4kv_jax.testing import synthetic
 
 from faults import FaultyDirectory

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from v4kv_jax import paging
+from v4kv_jax.pools import paging
 
 from conftest import hypothesis_examples
 

@@ -18,8 +18,9 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import append, paging, pools, step
+from v4kv_jax import append, pools, step
 from v4kv_jax.nn import Decoder, ModelConfig
+from v4kv_jax.pools import paging
 from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY, MODEL, OPTIONS, new_cache, positions, run_chunks

@@ -1,4 +1,4 @@
-"""The one sampling rule (`v4kv_jax.sampling`): filters off draw exactly as the rule before
+"""The one sampling rule (`v4kv_jax.serve.sampling`): filters off draw exactly as the rule before
 them, each filter keeps the tokens written here by hand, and the options are checked."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v4kv_jax.sampling import SamplingParams, row_keys, sample
+from v4kv_jax.serve.sampling import SamplingParams, row_keys, sample
 
 # Probabilities 0.5, 0.3, 0.15, 0.05 (token order shuffled so sorting matters).
 PROBS = np.asarray([0.15, 0.5, 0.05, 0.3])

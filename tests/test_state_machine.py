@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 
 import v4kv_jax as v4
 from v4kv_jax import step
-from v4kv_jax.manager import CacheManager, PoolExhaustedError
+from v4kv_jax.serve.manager import CacheManager, PoolExhaustedError
 from v4kv_jax.testing import synthetic
 
 from conftest import MODEL, hypothesis_examples, positions

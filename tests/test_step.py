@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import v4kv_jax as v4
-from v4kv_jax import append, attention, indexer, ops, paging, pools, programs, step
+from v4kv_jax import append, ops, pools, programs, step
 from v4kv_jax.config import LayerKind
+from v4kv_jax.ops import attention, indexer
+from v4kv_jax.pools import paging
 from v4kv_jax.testing import oracle, synthetic
 
 from conftest import (

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v4kv_jax import storage
+from v4kv_jax.pools import storage
 
 F32 = np.float32
 

@@ -126,7 +126,8 @@ def notebook_generator_call():
     the CPU: `capture(stop_at=...)`)."""
     from flax import nnx
 
-    from v4kv_jax.nn import Decoder, Generator, ModelConfig
+    from v4kv_jax.nn import Decoder, ModelConfig
+    from v4kv_jax.serve import Generator
 
     attention = sweep.WIDTHS["notebook"]()
     config = ModelConfig(attention, vocab_size=1000, mlp_hidden=256)

@@ -43,7 +43,8 @@ def main(process_id: int, port: int, mode: str, snapshot_dir: str | None) -> Non
 
     import v4kv_jax as v4
     from v4kv_jax import mesh as meshes
-    from v4kv_jax.nn import Decoder, Generator, ModelConfig
+    from v4kv_jax.nn import Decoder, ModelConfig
+    from v4kv_jax.serve import Generator
 
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     attention = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))

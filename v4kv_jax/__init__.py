@@ -1,18 +1,8 @@
 """v4kv_jax: the DeepSeek-V4 KV cache (Classical + State pools) and attention in JAX."""
 
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
-from v4kv_jax.attention import output_projection
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
-from v4kv_jax.engine import (
-    Completion,
-    Engine,
-    EngineError,
-    EngineReport,
-    RequestMetrics,
-    RequestOutput,
-    StreamOutput,
-)
-from v4kv_jax.nn.generate import GenerationResult, Generator
+from v4kv_jax.ops.attention import output_projection
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
@@ -33,7 +23,18 @@ from v4kv_jax.pools import (
     restore_state,
     snapshot_state,
 )
-from v4kv_jax.sampling import SamplingParams
+from v4kv_jax.serve import (
+    Completion,
+    Engine,
+    EngineError,
+    EngineReport,
+    GenerationResult,
+    Generator,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    StreamOutput,
+)
 from v4kv_jax.step import (
     append_and_attend,
     decode_attention,

@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import checks, ops, paging, pools, storage
-from v4kv_jax import compressor as comp
+from v4kv_jax import checks, ops, pools
 from v4kv_jax.config import Options
-from v4kv_jax.layout import CompressorSpec
-from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.ops import compressor as comp
+from v4kv_jax.pools import Cache, SlotStatus, paging, storage
+from v4kv_jax.pools.layout import CompressorSpec
 from v4kv_jax.vectors import CompressorInput, CompressorParams, CompressorWeights, TokenVectors
 
 

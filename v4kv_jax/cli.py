@@ -18,9 +18,10 @@ import time
 
 import numpy as np
 
-from v4kv_jax import checks, pools, storage
+from v4kv_jax import checks, pools
 from v4kv_jax import config as cfg
-from v4kv_jax.layout import compressor_specs
+from v4kv_jax.pools import storage
+from v4kv_jax.pools.layout import compressor_specs
 
 DEMO_MODEL = dict(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64,
                   o_groups=2, o_lora_rank=32, window=128, compress_ratios=(0, 0, 4, 128, 4, 128),
@@ -38,7 +39,7 @@ def _mib(n: float) -> str:
 def demo(args) -> int:
     import jax
 
-    from v4kv_jax.manager import CacheManager
+    from v4kv_jax.serve.manager import CacheManager
     from v4kv_jax.testing import oracle, synthetic
 
     _check_namespace(args, ("lengths", "decode_steps", "chunk", "pages", "seed", "new_tokens",
@@ -150,8 +151,8 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
     Returns whether that hit's output equals a cold run's."""
     from flax import nnx
 
-    from v4kv_jax.engine import Engine
     from v4kv_jax.nn import Decoder, ModelConfig
+    from v4kv_jax.serve.engine import Engine
 
     config = ModelConfig(attention, vocab_size=args.vocab, mlp_hidden=2 * attention.hidden_size)
     model = Decoder(config, rngs=nnx.Rngs(args.seed), bias_scale=0.5,

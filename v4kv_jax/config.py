@@ -218,7 +218,7 @@ def tiny(**overrides) -> AttentionConfig:
 PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 
 STORAGE_FORMATS = ("float32", "bfloat16", "float16")
-# The packed formats of the official release (`v4kv_jax.storage`): "fp8_latent" for C4 / C128
+# The packed formats of the official release (`v4kv_jax.pools.storage`): "fp8_latent" for C4 / C128
 # entries and the window ring, "fp4_index" for the CSA indexer keys.
 ENTRY_FORMATS = STORAGE_FORMATS + ("fp8_latent",)
 INDEX_FORMATS = STORAGE_FORMATS + ("fp4_index",)
@@ -270,7 +270,7 @@ class CacheConfig:
       hca_tail: how the HCA compressor keeps its open block: "online" (running max, sum of
         exponentials and weighted sum, 3 x hd values per layer; `pools.OnlineTail`) or "ring"
         (the block's raw kv and gate rows; `pools.Tail`).
-      hot_rows: HiSparse's hot set (`v4kv_jax.hot`): 0 reads C4 entries straight from the
+      hot_rows: HiSparse's hot set (`v4kv_jax.ops.hot`): 0 reads C4 entries straight from the
         Classical pool; H > 0 keeps, per CSA layer and slot, H device rows holding the entries
         the indexer picked (least recently used out), and the sparse read reads only those.
         At least the model's index_topk; reads are bit-identical either way. None (the

@@ -32,8 +32,8 @@ from v4kv_jax import vectors as vec
 from v4kv_jax.append import AppendPlan, read_slots
 from v4kv_jax.config import LayerKind, Options
 from v4kv_jax.config import options_or_default as _options
-from v4kv_jax.layout import specs_of
 from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.pools.layout import specs_of
 from v4kv_jax.vectors import CompressorWeights, LayerRef, Queries, TokenVectors
 
 

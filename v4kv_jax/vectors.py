@@ -20,7 +20,7 @@ from flax import struct
 
 from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, LayerKind
-from v4kv_jax.layout import compressor_specs
+from v4kv_jax.pools.layout import compressor_specs
 
 
 @struct.dataclass

@@ -7,12 +7,12 @@ block i. Slot rows come from the compressor's tail ring (positions before the ch
 chunk itself. `tpu.emit_entries` (Mosaic: scalar-prefetched lengths and page table, row-run
 DMAs in, row DMAs out into the aliased pool) and `gpu.emit_entries` (Triton: gathered tiles,
 masked scatter into the aliased pool) take the same arguments; the reference is
-`v4kv_jax.compressor.emit_entries`. Serves prefill (many blocks) and decode (at most one
+`v4kv_jax.ops.compressor.emit_entries`. Serves prefill (many blocks) and decode (at most one
 block per slot per step). Both write float pools and the packed formats (fp8_latent entries,
 fp4_index keys), encoded in the kernel.
 
 The HCA compressor with an online tail (hca_tail="online"): `tpu.emit_entries_online` and
-`gpu.emit_entries_online` (reference `v4kv_jax.compressor.emit_entries_online`) fold a chunk
+`gpu.emit_entries_online` (reference `v4kv_jax.ops.compressor.emit_entries_online`) fold a chunk
 token by token into each row's (max, sum, weighted) with the update rule of the
 `v4kv_jax.pools` docstring (`pooling.online_step`, the reference's expressions, so the tails
 are bit for bit the reference's in interpret mode), writing an entry at each block end.

@@ -303,7 +303,7 @@ def emit_entries_online(pool, page_rows, layers, tail_max, tail_sum, tail_weight
                         interpret: bool = False, entry_format: str = "float",
                         rope_dim: int = 0):
     """Folds a chunk into the online HCA tails and writes the entry of every block it
-    completes, in place (`v4kv_jax.compressor.emit_entries_online`; update rule in the
+    completes, in place (`v4kv_jax.ops.compressor.emit_entries_online`; update rule in the
     `v4kv_jax.pools` docstring, each product rounded before its sum as there, so the tails
     are bit for bit the reference's).
 

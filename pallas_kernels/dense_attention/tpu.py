@@ -5,7 +5,7 @@ lengths, slot ids (they pick the window ring block) and the page table. The C128
 in HBM (`pl.ANY`); the pages holding the visible entries are copied `pages_per_block` at a
 time into a double-buffered VMEM block (the next block in flight while the current one is
 decoded and folded), so the work follows the slot's length, not the page-table capacity.
-The held pages of a row are a prefix of it (`v4kv_jax.paging`), so entry i < visible lies on
+The held pages of a row are a prefix of it (`v4kv_jax.pools.paging`), so entry i < visible lies on
 a held page. Outputs are written as planes; XLA puts them in natural order and de-rotates.
 
 Layout read:

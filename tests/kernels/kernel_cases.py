@@ -99,7 +99,7 @@ def assert_close(actual, expected, dtype: str, err_msg: str = ""):
 # --- packed storage formats (issue 11) ------------------------------------------------------
 # Widths valid for fp8_latent (hd - r a multiple of 64: 3 scale blocks) and fp4_index (c >= 32,
 # 2 blocks), powers of two for the GPU kernels. Kernels read the packed pools; the reference
-# reads the same pools decoded by `v4kv_jax.storage`, so both see the same values.
+# reads the same pools decoded by `v4kv_jax.pools.storage`, so both see the same values.
 PACKED_WIDTHS = dict(head_dim=256, rope_dim=64, index_head_dim=64)
 PACKED_PAGE_TOKENS = 128
 
@@ -113,7 +113,8 @@ def packed_cache():
     """(cache, packed, decoded): a random fp32 cache at `PACKED_WIDTHS` (unused pages NaN), its
     pools packed ("csa", "hca", "window": fp8_latent; "csa_index": fp4_index of keys taken as
     already rotated) and those packed pools decoded back to fp32."""
-    from v4kv_jax import pools, storage
+    from v4kv_jax import pools
+    from v4kv_jax.pools import storage
 
     model = packed_model(4)
     r = model.rope_dim

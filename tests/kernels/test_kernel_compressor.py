@@ -25,8 +25,9 @@ from kernel_cases import (
 
 import v4kv_jax as v4
 from pallas_kernels.compressor import BlockSizes
-from v4kv_jax import ops, pools, storage
-from v4kv_jax.layout import compressor_specs
+from v4kv_jax import ops, pools
+from v4kv_jax.pools import storage
+from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.testing import synthetic
 
 CASES = [(128, "float32", "prefill"), (256, "bfloat16", "prefill"), (128, "bfloat16", "decode"),

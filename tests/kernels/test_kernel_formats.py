@@ -1,4 +1,4 @@
-"""The in-kernel codecs (`pallas_kernels.formats`) bit for bit against `v4kv_jax.storage`:
+"""The in-kernel codecs (`pallas_kernels.formats`) bit for bit against `v4kv_jax.pools.storage`:
 decoders of both plane layouts (TPU: whole stored rows; GPU: gathered power-of-two planes),
 the plane permutation and its inverse, and the scalar encoders the compressor kernels use."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import formats
-from v4kv_jax import storage
+from v4kv_jax.pools import storage
 
 # (format, width, rope_dim): V4 widths and the test widths of kernel_cases.PACKED_WIDTHS.
 ROWS = [("fp8_latent", 512, 64), ("fp8_latent", 256, 64), ("fp8_latent", 128, 0),

@@ -47,9 +47,9 @@ import numpy as np
 from flax import nnx
 
 from v4kv_jax import append, checks, rope, step
-from v4kv_jax.attention import output_projection
-from v4kv_jax.compressor import rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind, Options
+from v4kv_jax.ops.attention import output_projection
+from v4kv_jax.ops.compressor import rms_norm
 from v4kv_jax.pools import Cache
 from v4kv_jax.vectors import (
     CompressorInput,

@@ -31,9 +31,9 @@ import numpy as np
 from flax import nnx
 
 from v4kv_jax import append, checks
-from v4kv_jax.compressor import rms_norm
 from v4kv_jax.config import AttentionConfig, LayerKind, Options
 from v4kv_jax.nn.attention import V4Attention, linear
+from v4kv_jax.ops.compressor import rms_norm
 from v4kv_jax.pools import Cache
 from v4kv_jax.vectors import LayerRef
 

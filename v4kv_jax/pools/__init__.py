@@ -27,7 +27,7 @@ State pool (per request slot; changes every step):
                 [n_hca, max_slots, head_dim] (hca_tail="online")
   hot           with hot_rows = H > 0, the CSA layers' `HotSet`: rows
                 [n_csa, max_slots, H, sw(head_dim)], held and used i32[n_csa, max_slots, H]
-                (`v4kv_jax.hot`); None otherwise
+                (`v4kv_jax.ops.hot`); None otherwise
 
 Kind-specific code takes a store (`csa_entries`, `hca_entries`, `csa_tails`, `hca_tail`);
 code that loops over the compressors passes a `CompressorSpec` from `cache.specs` to

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import checks, storage
+from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, CacheConfig
-from v4kv_jax.layout import compressor_specs
+from v4kv_jax.pools import storage
+from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.pools.tree import (
     Cache,
     SlotStatus,

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import checks, paging
+from v4kv_jax import checks
+from v4kv_jax.pools import paging
 from v4kv_jax.pools.tree import (
     Cache,
     SlotStatus,

@@ -10,7 +10,8 @@ import numpy as np
 from flax import struct
 from jax.experimental.compute_on import compute_on
 
-from v4kv_jax import checks, paging
+from v4kv_jax import checks
+from v4kv_jax.pools import paging
 from v4kv_jax.pools.slots import _slot_mask
 from v4kv_jax.pools.tree import (
     Cache,
@@ -358,7 +359,7 @@ def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
     for spec in cache.specs:
         cache = with_tail(cache, spec, jax.tree.map(put, tail(cache, spec),
                                                     snapshot.tails[spec.name]))
-    if hot_set(cache) is not None:  # the slot's hot rows start empty (`v4kv_jax.hot`)
+    if hot_set(cache) is not None:  # the slot's hot rows start empty (`v4kv_jax.ops.hot`)
         cache = with_hot_set(cache, jax.tree.map(
             lambda x: put(x, jnp.zeros((), x.dtype)), hot_set(cache)))
     return with_slots(cache, lengths=cache.state.lengths.at[dest].set(length, mode="drop"))

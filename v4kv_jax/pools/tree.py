@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import paging, programs, storage
+from v4kv_jax import programs
 from v4kv_jax.config import AttentionConfig, CacheConfig
-from v4kv_jax.layout import CompressorSpec, compressor_specs
+from v4kv_jax.pools import paging, storage
+from v4kv_jax.pools.layout import CompressorSpec, compressor_specs
 
 
 class SlotStatus(enum.IntEnum):
@@ -84,7 +85,7 @@ class CSATails:
 
 @struct.dataclass
 class HotSet:
-    """HiSparse's device hot set (`CacheConfig.hot_rows` = H > 0; `v4kv_jax.hot`): per CSA
+    """HiSparse's device hot set (`CacheConfig.hot_rows` = H > 0; `v4kv_jax.ops.hot`): per CSA
     layer and slot, H rows holding C4 entries the indexer picked, as stored: rows
     [n_csa, max_slots, H, sw(hd)]; held i32[n_csa, max_slots, H] the entry id + 1 a row holds
     (0: none); used i32[n_csa, max_slots, H] 1 + the last query position that picked it."""

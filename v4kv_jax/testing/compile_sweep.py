@@ -19,9 +19,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import append, ops, pools, programs, storage, targets
+from v4kv_jax import append, ops, pools, programs, targets
 from v4kv_jax import config as cfg
-from v4kv_jax.layout import compressor_specs
+from v4kv_jax.pools import storage
+from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.vectors import CompressorInput, CompressorWeights, Queries, TokenVectors
 
 # Model widths the sweep covers: the tests' config, the notebook's, the two releases.

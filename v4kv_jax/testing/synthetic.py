@@ -15,8 +15,8 @@ import numpy as np
 
 from v4kv_jax import pools, programs
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
-from v4kv_jax.layout import compressor_specs
 from v4kv_jax.pools import Cache, SlotStatus, init_cache
+from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.testing import oracle
 from v4kv_jax.vectors import CompressorInput, CompressorWeights, Queries, TokenVectors
 

@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import checks, paging, rope, storage
+from v4kv_jax import checks, rope
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options
-from v4kv_jax.layout import visible_entries
+from v4kv_jax.pools import paging, storage
+from v4kv_jax.pools.layout import visible_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import paging, pools, rope, storage
+from v4kv_jax import pools, rope
 from v4kv_jax.config import AttentionConfig, CacheConfig
-from v4kv_jax.layout import CompressorSpec
+from v4kv_jax.pools import paging, storage
+from v4kv_jax.pools.layout import CompressorSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -1,7 +1,7 @@
 """The token-aware engine: requests by token ids, continuous batching, prefix sharing.
 
 `Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
-prompt with its options (`v4kv_jax.sampling.SamplingParams`: temperature, top_k, top_p,
+prompt with its options (`v4kv_jax.serve.sampling.SamplingParams`: temperature, top_k, top_p,
 min_p, seed, eos_id, stop token ids and sequences); each `step()` admits queued requests
 into free slots, in order of arrival while the pool can hold each one's whole prompt and
 output, except that later requests that fit may pass one that does not for up to
@@ -21,7 +21,7 @@ program; the last rows draw each request's token with its own key and options
 their `RequestMetrics` (host times: queue time, time to first token, time per output token);
 `generate(..., stream=True)` yields every step's new tokens instead.
 
-Prefix sharing (`v4kv_jax.prefix_cache`): every full page is listed under the digest of its
+Prefix sharing (`v4kv_jax.prefix.cache`): every full page is listed under the digest of its
 tokens' chain (namespaced by the engine's fingerprint: attention config, cache geometry, model
 config, options, weights; and by the request's `cache_salt`), held by the index, so the pages
 of finished requests stay cached. A new request attaches the longest chain of listed full
@@ -32,7 +32,7 @@ is not enough the request waits in the queue. A live request's pages and State a
 evicted: admission reserves each running request's pages up to its full length.
 
 The host side of a step is all or nothing (see `Engine.step`), and the disk tier turns every
-filesystem fault into a warning and a miss (`v4kv_jax.prefix_disk`).
+filesystem fault into a warning and a miss (`v4kv_jax.prefix.disk`).
 """
 
 from __future__ import annotations
@@ -50,16 +50,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from v4kv_jax import checks, page_tiers, pools, prefix, programs
+from v4kv_jax import checks, pools, prefix, programs
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
-from v4kv_jax.manager import SlotFlaggedError, SlotTable
-from v4kv_jax.nn.generate import ModelCache, check_prompt
 from v4kv_jax.nn.model import Decoder
-from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
-from v4kv_jax.prefix_cache import RESTORES, PrefixCache
-from v4kv_jax.request import (
+from v4kv_jax.pools.paging import pages_for
+from v4kv_jax.prefix import tiers as page_tiers
+from v4kv_jax.prefix.cache import RESTORES, PrefixCache
+from v4kv_jax.serve.generator import ModelCache, check_prompt
+from v4kv_jax.serve.manager import SlotFlaggedError, SlotTable
+from v4kv_jax.serve.request import (
     FINISH_REASONS,
     Completion,
     EngineError,
@@ -69,7 +70,7 @@ from v4kv_jax.request import (
     RequestOutput,
     StreamOutput,
 )
-from v4kv_jax.sampling import SamplingParams, row_keys, sample, stream_key
+from v4kv_jax.serve.sampling import SamplingParams, row_keys, sample, stream_key
 
 # --- the one step program -------------------------------------------------------------------------
 
@@ -82,7 +83,7 @@ class StepBatch:
     chunk rows i32[S, C]; decode_*: i32[S, 1]; each with slot ids i32[S] and counts i32[S].
     key: u32[S, 2] each slot's sampling stream, draw: i32[S] the index of the token it draws
     (its key is fold_in(key, draw)), temperature, top_k, top_p, min_p: f32/i32/f32/f32[S] its
-    options (`v4kv_jax.sampling`).
+    options (`v4kv_jax.serve.sampling`).
     """
 
     replay_tokens: jax.Array
@@ -421,7 +422,7 @@ class Engine(ModelCache):
           cache_salt: None, a str or bytes: the request hits only pages written under the
             same salt.
           top_k, top_p, min_p, seed, stop_token_ids, stop: the rest of the request's options
-            (`v4kv_jax.sampling.SamplingParams`): the sampling filters, its own stream (the
+            (`v4kv_jax.serve.sampling.SamplingParams`): the sampling filters, its own stream (the
             same prompt and seed give the same tokens whatever else runs), token ids and
             token-id sequences that end it ("stop", the stop tokens kept in the output).
 

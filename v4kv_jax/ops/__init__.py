@@ -41,22 +41,13 @@ and never branches at run time.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import functools
-import importlib
-import json
-import os
-
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.interpreters import mlir
 
-from v4kv_jax import attention, checks, compressor, indexer, pools, rope, storage
-from v4kv_jax import hot as hot_set
+from v4kv_jax import checks, pools, rope
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -66,231 +57,25 @@ from v4kv_jax.config import (
     Options,
 )
 from v4kv_jax.config import options_or_default as _options
-from v4kv_jax.layout import CompressorSpec
+from v4kv_jax.ops import attention, compressor, indexer
+from v4kv_jax.ops import hot as hot_set
+from v4kv_jax.ops.choice import (
+    MEASURED_PATH,
+    PLATFORMS,
+    Choice,
+    KernelUnavailableError,
+    _dispatch,
+    choices,
+    choose,
+    kernel_module,
+    measured,
+    resolve,
+    supported,
+    unchecked,
+)
+from v4kv_jax.pools import storage
+from v4kv_jax.pools.layout import CompressorSpec
 from v4kv_jax.vectors import Queries
-
-_BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
-_KERNELS_OF = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
-
-# op -> (reference function, kernel folder); the kernel function has the op's name.
-_OPS = {
-    "emit_entries": (compressor.emit_entries, "compressor"),
-    "emit_entries_online": (compressor.emit_entries_online, "compressor"),
-    "index_scores": (indexer.index_scores, "indexer"),
-    "sparse_decode_attention": (attention.sparse_decode_attention, "sparse_attention"),
-    "dense_decode_attention": (attention.dense_decode_attention, "dense_attention"),
-}
-assert tuple(_OPS) == KERNEL_OPS
-
-MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
-
-
-_UNCHECKED: list[bool] = []
-
-
-@contextlib.contextmanager
-def unchecked():
-    """Inside the block a forced kernel runs even a config its `supported()` rejects, so a
-    compiler says what it makes of it (the compile sweep, `v4kv_jax.testing.compile_sweep`);
-    never for serving."""
-    _UNCHECKED.append(True)
-    try:
-        yield
-    finally:
-        _UNCHECKED.pop()
-
-
-class KernelUnavailableError(RuntimeError):
-    """A forced Pallas implementation cannot run on the current backend."""
-
-
-@functools.cache
-def measured() -> dict[tuple[str, str], dict]:
-    """{(platform, op): measurement} from `measured.json` (one row per platform and op)."""
-    with open(MEASURED_PATH) as f:
-        rows = json.load(f)["measurements"]
-    return {(row["platform"], row["op"]): row for row in rows}
-
-
-def resolve(implementation: str = "auto", *, interpret: bool = False,
-            backend: str | None = None) -> str:
-    """The implementation a platform runs by default ("reference", "pallas_tpu" or
-    "pallas_gpu"), before any per-op measurement or config check (`choose` adds those).
-
-    Args:
-      implementation: one of `IMPLEMENTATIONS`.
-      interpret: Pallas kernels will run in interpret mode, so any backend can run them.
-      backend: the platform to decide for; default `jax.default_backend()`.
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation: expected one of {IMPLEMENTATIONS}; got "
-                         f"{implementation!r}")
-    backend = backend or jax.default_backend()
-    if implementation == "auto":
-        return _KERNELS_OF.get(backend, "reference")
-    if implementation == "reference" or interpret:
-        return implementation
-    needed = _BACKEND_OF[implementation]
-    if backend != needed:
-        raise KernelUnavailableError(
-            f"implementation={implementation!r} needs a {needed.upper()} backend; the current "
-            f"backend is {backend!r}. {_ADVICE}")
-    return implementation
-
-
-def kernel_module(op: str, implementation: str):
-    """The module of `op`'s kernel for "pallas_tpu" or "pallas_gpu"."""
-    folder = _OPS[op][1]
-    return importlib.import_module(f"pallas_kernels.{folder}.{_BACKEND_OF[implementation]}")
-
-
-def supported(op: str, implementation: str, model: AttentionConfig,
-              geometry: CacheConfig, spec: CompressorSpec | None = None) -> str | None:
-    """Why `op`'s kernel of `implementation` cannot run this config (for an emission, the
-    compressor `spec`; None: every compressor of the model), or None if it can."""
-    if implementation == "reference":
-        return None
-    return kernel_module(op, implementation).supported(model, geometry, spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What runs one op: `implementation` ("reference", "pallas_tpu" or "pallas_gpu"),
-    `interpret`, the kernel's `block_sizes` (None: its defaults) and `why`, one line."""
-
-    implementation: str
-    interpret: bool
-    block_sizes: object
-    why: str
-
-
-def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
-           options: Options | None = None, *, backend: str | None = None,
-           spec: CompressorSpec | None = None) -> Choice:
-    """The `Choice` for `op` (a name in `KERNEL_OPS`) under `options` on `backend` (for an
-    emission, of the compressor `spec`; None: a kernel must run every compressor).
-
-    Raises:
-      KernelUnavailableError: a forced Pallas implementation on another backend (not
-        interpret mode).
-      ValueError: a forced Pallas implementation whose kernel cannot run this config.
-    """
-    if op not in _OPS:
-        raise ValueError(f"op: expected one of {KERNEL_OPS}; got {op!r}")
-    options = _options(options)
-    requested = options.implementation
-    backend = backend or jax.default_backend()
-    impl = resolve(requested, interpret=options.interpret, backend=backend)
-    why = f"implementation={requested!r}"
-    if requested == "auto":
-        row = measured().get((backend, op))
-        if impl != "reference" and row is not None and row["reference_ms"] < row["kernel_ms"]:
-            impl = "reference"
-            why = (f"auto: measured faster on {row['device']} ({row['shape']}: reference "
-                   f"{row['reference_ms']} ms, kernel {row['kernel_ms']} ms)")
-        else:
-            why = f"auto on {backend}"
-    # The TPU kernels' limits are Mosaic's: interpret mode runs every config.
-    mosaic_only = impl == "pallas_tpu" and options.interpret
-    problem = None if _UNCHECKED or mosaic_only else supported(op, impl, model, geometry, spec)
-    if problem is not None:
-        if requested == "auto":
-            impl, why = "reference", f"auto: the {backend} kernel cannot run it: {problem}"
-        else:
-            raise ValueError(f"implementation={requested!r} cannot run {op} for this config: "
-                             f"{problem}")
-    return Choice(impl, options.interpret, options.blocks(op), why)
-
-
-# Lowering platform names (`jax.lax.platform_dependent`) of the platforms with kernels.
-_LOWERING_NAMES = {"tpu": "tpu", "gpu": "cuda"}
-PLATFORMS = ("cpu", "tpu", "gpu")
-
-
-def choices(op: str, model: AttentionConfig, geometry: CacheConfig,
-            options: Options | None = None, spec: CompressorSpec | None = None
-            ) -> dict[str, Choice]:
-    """{platform: the `Choice` for `op` in a program compiled for it}, for "cpu", "tpu" and
-    "gpu". A program traced once holds every distinct choice (`jax.lax.platform_dependent`);
-    the platform it is lowered for (where its arrays are placed, or the devices it is
-    compiled for ahead of time) keeps one. A forced Pallas implementation (not interpret
-    mode) is its own platform's only choice: lowered for another platform, the program
-    raises `KernelUnavailableError`. With `Options.interpret` every platform runs what the
-    default backend would (interpret-mode kernels call the host, so the program cannot
-    hold branches for other platforms)."""
-    options = _options(options)
-    impl = options.implementation
-    if options.interpret:  # tests: interpret-mode kernels call the host, on any platform
-        return {p: choose(op, model, geometry, options, spec=spec) for p in PLATFORMS}
-    if impl in _BACKEND_OF:
-        return {_BACKEND_OF[impl]: choose(op, model, geometry, options,
-                                          backend=_BACKEND_OF[impl], spec=spec)}
-    return {p: choose(op, model, geometry, options, backend=p, spec=spec) for p in PLATFORMS}
-
-
-def _unavailable_abstract_eval(*args, avals, message):
-    del args, message
-    return avals
-
-
-_ADVICE = ("Use implementation='auto' or 'reference', or interpret=True "
-           "(Options(interpret=True)) to run it in interpret mode")
-
-
-def _unavailable(*args, avals, message):
-    del args, avals
-    raise KernelUnavailableError(f"{message}; the current backend is "
-                                 f"{jax.default_backend()!r}. {_ADVICE}")
-
-
-def _unavailable_lowering(ctx, *args, avals, message):
-    del args, avals
-    platforms = ", ".join(repr(p) for p in ctx.module_context.platforms)
-    raise KernelUnavailableError(f"{message}; this program is compiled for {platforms}. "
-                                 f"{_ADVICE}")
-
-
-# What a forced kernel leaves on the platforms it cannot run on: a value of the right type
-# whose lowering raises, so the program fails when compiled there, never earlier.
-_unavailable_p = jax.extend.core.Primitive("v4kv_kernel_unavailable")
-_unavailable_p.multiple_results = True
-_unavailable_p.def_abstract_eval(_unavailable_abstract_eval)
-_unavailable_p.def_impl(_unavailable)
-mlir.register_lowering(_unavailable_p, _unavailable_lowering)
-
-
-def _dispatch(op: str, model: AttentionConfig, geometry: CacheConfig, options: Options | None,
-              reference, kernel_call, spec: CompressorSpec | None = None):
-    """`reference()` or `kernel_call(kernel function, Choice)` (same outputs) as `choices`
-    decides per platform: one branch when every platform runs the same, else a
-    `jax.lax.platform_dependent` over the distinct choices (the reference the default)."""
-    per_platform = choices(op, model, geometry, options, spec)
-
-    def run(choice):
-        if choice.implementation == "reference":
-            return reference()
-        return kernel_call(getattr(kernel_module(op, choice.implementation), op), choice)
-
-    distinct = set(per_platform.values())
-    if len(per_platform) == len(PLATFORMS) and len(distinct) == 1:
-        return run(distinct.pop())
-    kernels = {p: c for p, c in per_platform.items() if c.implementation != "reference"}
-    branches = {_LOWERING_NAMES[p]: functools.partial(run, c) for p, c in kernels.items()}
-    if len(per_platform) == len(PLATFORMS):
-        default = functools.partial(run, per_platform["cpu"])
-    else:  # a forced kernel: nothing runs on the other platforms
-        (platform, choice), = per_platform.items()
-
-        def default():
-            avals = jax.eval_shape(functools.partial(run, choice))
-            leaves, tree = jax.tree.flatten(avals)
-            out = _unavailable_p.bind(
-                avals=tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in leaves),
-                message=f"implementation={_options(options).implementation!r} needs a "
-                        f"{platform.upper()} backend ({op} runs its Pallas kernel only)")
-            return jax.tree.unflatten(tree, out)
-
-    return jax.lax.platform_dependent(default=default, **branches)
 
 
 def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
@@ -695,8 +480,9 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "IMPLEMENTATIONS", "KERNEL_OPS", "Choice", "KernelUnavailableError", "Stored",
-    "WindowKeys", "choose", "dense_decode_attention", "emit_entries", "emit_entries_online",
-    "index_scores", "index_topk", "kernel_module", "make_resident", "measured", "read",
-    "resolve", "sparse_decode_attention", "supported",
+    "IMPLEMENTATIONS", "KERNEL_OPS", "MEASURED_PATH", "PLATFORMS", "Choice",
+    "KernelUnavailableError", "Stored", "WindowKeys", "choices", "choose",
+    "dense_decode_attention", "emit_entries", "emit_entries_online", "index_scores",
+    "index_topk", "kernel_module", "make_resident", "measured", "read", "resolve",
+    "sparse_decode_attention", "supported", "unchecked",
 ]

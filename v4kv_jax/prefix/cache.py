@@ -1,8 +1,8 @@
 """The Engine's prefix cache: which full pages stay listed, which boundary snapshots are kept
 on which tier, and how a new request's hit is planned and entered.
 
-`PrefixCache` joins the host-side pieces of `v4kv_jax.prefix` (the page index, the snapshot
-tiers) and `v4kv_jax.page_tiers` (the host and disk tiers of full pages) to the device cache
+`PrefixCache` joins the host-side pieces of `prefix.index` (the page index), `prefix.snapshots`
+(the snapshot tiers) and `prefix.tiers` (the host and disk tiers of full pages) to the device cache
 through the pool transfers (`pools.hold_pages`, `drop_pages`, `read_pages`, `load_pages`,
 `attach_prefix`, `snapshot_state`, `restore_state`). It never schedules: the Engine decides
 which request runs and calls it to
@@ -41,10 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import page_tiers, pools, prefix, programs
+from v4kv_jax import pools, programs
 from v4kv_jax.config import CacheConfig
-from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache
+from v4kv_jax.pools.paging import pages_for
+from v4kv_jax.prefix import tiers as page_tiers
+from v4kv_jax.prefix.index import PrefixIndex, chain_digests
+from v4kv_jax.prefix.snapshots import LoadedSnapshot, SnapshotRecord, SnapshotStore
 
 RESTORES = ("none", "snapshot", "snapshot+replay", "replay", "recompute")
 
@@ -87,7 +90,7 @@ class Plan:
 
     depth: int
     restored_by: str
-    loaded: prefix.LoadedSnapshot | None
+    loaded: LoadedSnapshot | None
     snapshot_depth: int | None
     promoted: tuple[tuple[str, dict], ...] = ()  # (tier, contents) of the pages promoted
 
@@ -122,12 +125,12 @@ class PrefixCache:
         self.geometry: CacheConfig = holder.cache.geometry
         self.replay_pages = replay_pages
         self.snapshot_every_pages = snapshot_every_pages
-        self.index = prefix.PrefixIndex()
+        self.index = PrefixIndex()
         one = jax.eval_shape(lambda c: pools.read_pages(c, jnp.zeros((1,), jnp.int32)),
                              holder.cache)
         self._page_template = {k: jax.ShapeDtypeStruct(v.shape[:1] + v.shape[2:], v.dtype)
                                for k, v in one.items()}
-        self.snapshots = prefix.SnapshotStore(
+        self.snapshots = SnapshotStore(
             jax.eval_shape(lambda c: pools.snapshot_state(c, 0), holder.cache),
             device_snapshots=device_snapshots, host_snapshots=host_snapshots,
             directory=snapshot_dir, disk_snapshots=disk_snapshots, disk_bytes=disk_bytes,
@@ -158,7 +161,7 @@ class PrefixCache:
         """The digests a prompt can hit: its full pages, the last token left out (it is always
         computed, for the first logits)."""
         P = self.geometry.page_tokens
-        return prefix.chain_digests(prompt[:(len(prompt) - 1) // P * P], P, namespace)
+        return chain_digests(prompt[:(len(prompt) - 1) // P * P], P, namespace)
 
     # --- admission --------------------------------------------------------------------------------
 
@@ -288,7 +291,7 @@ class PrefixCache:
         full = req.length // P
         if full <= len(req.digests) and all(d in self.index for d in req.digests):
             return
-        req.digests += prefix.chain_digests(req.tokens[:full * P], P, req.namespace,
+        req.digests += chain_digests(req.tokens[:full * P], P, req.namespace,
                                             first=len(req.digests),
                                             previous=req.digests[-1] if req.digests else b"")
         new = [int(table[req.slot, j]) for j in range(full) if req.digests[j] not in self.index]
@@ -315,7 +318,7 @@ class PrefixCache:
         every = self.snapshot_every_pages is not None and k % self.snapshot_every_pages == 0
         if not (last_of_prompt or every):
             return
-        record = prefix.SnapshotRecord(req.digests[k - 1], b, tuple(req.digests[:k]))
+        record = SnapshotRecord(req.digests[k - 1], b, tuple(req.digests[:k]))
         if self.snapshots.tier_of(record.key) is None:
             self.stats["snapshots_taken"] += 1
         self.snapshots.put(record, _snapshot(self._cache, jnp.int32(req.slot)))
@@ -335,7 +338,7 @@ class PrefixCache:
         """The contents (numpy, per page) of listed pages, read from the pool."""
         return self._read([self.index.page(d) for d in digests])
 
-    def _store_chain(self, record: prefix.SnapshotRecord) -> bool:
+    def _store_chain(self, record: SnapshotRecord) -> bool:
         """Puts every page of a snapshot's chain on disk (the files missing there, from the
         pool or the host tier); False when one is in no tier or cannot be written."""
         disk = self.cold.disk

@@ -25,9 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import paging, storage
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
-from v4kv_jax.layout import visible_entries
+from v4kv_jax.pools import paging, storage
+from v4kv_jax.pools.layout import visible_entries
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

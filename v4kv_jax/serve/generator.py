@@ -7,11 +7,11 @@ the static settings (batch = `max_slots`, prompt buffer `max_prompt_len`, `prefi
 `max_new_tokens`), so every prompt length and every batch of up to `max_slots` prompts runs
 the same compiled program.
 
-The Generator is a `ModelCache`, the host lifecycle (`v4kv_jax.manager.SlotCache`) of a
+The Generator is a `ModelCache`, the host lifecycle (`v4kv_jax.serve.manager.SlotCache`) of a
 model, as the Engine is: before each batch it releases the previous batch's requests and
 admits the prompts (request b = prompt b); the program runs on those slots (rows without a
 prompt are padding rows, slot id -1), and after it the table turns any slot flag into the
-manager's exception. `v4kv_jax.sampling.sample` is the one sampling rule of both, with
+manager's exception. `v4kv_jax.serve.sampling.sample` is the one sampling rule of both, with
 the same per-request options (`SamplingParams`), the same streams for a `seed` and the same
 length rule (prompt + max_new_tokens - 1 <= max_seq_len).
 
@@ -38,11 +38,11 @@ from flax import nnx
 from v4kv_jax import checks, pools, programs
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
-from v4kv_jax.manager import SlotCache, SlotFlaggedError, SlotTable
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
-from v4kv_jax.request import Completion
-from v4kv_jax.sampling import SamplingParams, row_keys, sample
+from v4kv_jax.serve.manager import SlotCache, SlotFlaggedError, SlotTable
+from v4kv_jax.serve.request import Completion
+from v4kv_jax.serve.sampling import SamplingParams, row_keys, sample
 
 STOP_IDS = 16  # the Generator's stop buffer per row: eos_id and stop_token_ids
 
@@ -254,7 +254,7 @@ class Generator(ModelCache):
                  stop_token_ids: Sequence[int] = (), stop: Sequence[Sequence[int]] = ()
                  ) -> GenerationResult:
         """Generates for up to `max_slots` prompts of 1..max_prompt_len tokens each, with the
-        arguments of `Engine.generate` (the options of `v4kv_jax.sampling.SamplingParams`,
+        arguments of `Engine.generate` (the options of `v4kv_jax.serve.sampling.SamplingParams`,
         the same for every prompt of the call).
 
         The prompts are the requests 0..len(prompts)-1 of the generator's `SlotTable` (the

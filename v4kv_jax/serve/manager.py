@@ -29,8 +29,8 @@ import numpy as np
 
 from v4kv_jax import checks, pools, programs, step
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
-from v4kv_jax.paging import pages_for
 from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.pools.paging import pages_for
 from v4kv_jax.vectors import CompressorWeights, Queries, TokenVectors
 
 _reset_slot = programs.program("slots.reset", pools.reset_slot, donate=("cache",))

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 
 from v4kv_jax import pools
-from v4kv_jax.sampling import SamplingParams
+from v4kv_jax.serve.sampling import SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length", "aborted")
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import paging, pools
+from v4kv_jax import pools
 from v4kv_jax.config import AttentionConfig, CacheConfig
-from v4kv_jax.pools import HotSet
+from v4kv_jax.pools import HotSet, paging
 
 _NONE = jnp.iinfo(jnp.int32).max  # sorts after every entry id
 FETCH_ROWS = 16  # rows per row that one copy from the host tier moves

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from v4kv_jax import checks
-from v4kv_jax.prefix_disk import SnapshotDirectory, pack, unpack
+from v4kv_jax.prefix.disk import SnapshotDirectory, pack, unpack
 
 _FORMAT = b"V4KV-PAGE-1\n"
 SUFFIX = ".v4page"

@@ -1,0 +1,39 @@
+"""Serving a `v4kv_jax.nn.Decoder` over the cache: requests in, tokens out.
+
+  manager     `SlotTable` (which request holds which slot of which shard) and the host
+              lifecycle of a cache (`CacheManager`, `SlotCache`)
+  sampling    `SamplingParams` and the one sampling rule (temperature, top-k, top-p, min-p,
+              per-request streams)
+  request     what a request is and what it returns (`Completion`, `RequestOutput`,
+              `RequestMetrics`, `StreamOutput`, `EngineError`, `EngineReport`)
+  generator   `Generator`: a batch of prompts in one jitted program (prefill, then decode)
+  engine      `Engine`: continuous batching with prefix sharing, tiers and streaming
+
+`forward` runs the model over a chunk of tokens for given slots (`generator.forward`).
+"""
+
+from v4kv_jax.serve.engine import Engine
+from v4kv_jax.serve.generator import GenerationResult, Generator, ModelCache, forward
+from v4kv_jax.serve.manager import (
+    CacheManager,
+    PoolExhaustedError,
+    SlotCache,
+    SlotFlaggedError,
+    SlotTable,
+)
+from v4kv_jax.serve.request import (
+    Completion,
+    EngineError,
+    EngineReport,
+    RequestMetrics,
+    RequestOutput,
+    StreamOutput,
+)
+from v4kv_jax.serve.sampling import SamplingParams, sample
+
+__all__ = [
+    "CacheManager", "Completion", "Engine", "EngineError", "EngineReport", "GenerationResult",
+    "Generator", "ModelCache", "PoolExhaustedError", "RequestMetrics", "RequestOutput",
+    "SamplingParams", "SlotCache", "SlotFlaggedError", "SlotTable", "StreamOutput", "forward",
+    "sample",
+]
