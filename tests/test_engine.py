@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import pools
+from v4kv_jax import pools, programs
 from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.prefix import cache as prefix_cache
 from v4kv_jax.serve import engine as engine_module
@@ -415,6 +415,40 @@ def test_one_program_serves_every_step_and_prompt_length():
     assert lengths == [[64, 36], [128, 64], [192, 100]]
 
 
+def test_warmup_compiles_every_program_and_compile_time_is_reported_apart():
+    """A cold engine's first request compiles the step program: its seconds are the request's
+    compile_time and the engine's compile_s, not its ttft. After warmup() (which changes no
+    bit of the cache) requests, hits included, compile nothing and give the same bits."""
+    fresh = Decoder(ModelConfig(v4.tiny(compress_ratios=(0,)), vocab_size=40, mlp_hidden=16),
+                    rngs=nnx.Rngs(3))  # a model no other test compiles
+    prompts = [BASE[:300], BASE[:290] + [1], BASE[40:100]]  # the second hits at 256
+    first_engine = Engine(fresh, GEOMETRY, prefill_chunk=CHUNK)
+    (first,) = first_engine.generate(prompts[:1], 2)
+    m = first.metrics
+    assert m.compile_time > 0 and first_engine.metrics()["compile_s"] >= m.compile_time
+    assert m.ttft + m.compile_time <= m.finish_time - m.arrival_time
+
+    traces = lambda: {n: p.traces for n, p in programs.PROGRAMS.items()}  # noqa: E731
+    warm = Engine(fresh, GEOMETRY, prefill_chunk=CHUNK // 2, keep_logits=True)
+    before, traced = jax.tree.map(np.asarray, warm.cache), traces()
+    assert warm.warmup() > 0
+    assert traces()["engine.step"] == traced["engine.step"] + 1  # a new chunk: a new program
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, warm.cache))
+    compiled, traced = warm.metrics()["compile_s"], traces()
+    assert compiled > 0
+    warm.warmup()  # compiles nothing
+    outs = warm.generate(prompts[:1], 3) + warm.generate(prompts[1:], 3, temperature=0.7)
+    assert traces() == traced and warm.metrics()["compile_s"] == compiled
+    assert [o.metrics.compile_time for o in outs] == [0.0] * 3
+    assert outs[1].restored_by == "snapshot"
+    unwarmed = Engine(fresh, GEOMETRY, prefill_chunk=CHUNK // 2, keep_logits=True)
+    want = unwarmed.generate(prompts[:1], 3) + unwarmed.generate(prompts[1:], 3,
+                                                                 temperature=0.7)
+    for got, ref in zip(outs, want, strict=True):
+        assert got.tokens == ref.tokens and got.restored_by == ref.restored_by
+        np.testing.assert_array_equal(got.logits, ref.logits)
+
+
 def test_eos_abort_status_and_outputs():
     eng = engine(keep_logits=False)
     want = cold(eng, BASE[:90], 6).tokens
@@ -554,12 +588,12 @@ def test_bad_input_raises_naming_the_argument(tmp_path):
             build(**kwargs)
 
 
-def test_readme_block_runs_as_written():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("### Prefix sharing (engine)\n", 1)[1].split("\n### ", 1)[0]
+def test_the_prefix_page_engine_block_runs_as_written():
+    page = open(os.path.join(ROOT, "docs/prefix.md")).read()
+    section = page.split("## Prefix sharing in the Engine\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
     scope = {"model": DECODER, "geometry": GEOMETRY}
-    exec(block, scope)  # noqa: S102 - the README's own code
+    exec(block, scope)  # noqa: S102 - the page's own code
     first, second, cold_run = scope["first"], scope["second"], scope["cold"]
     assert (second.cached_tokens, second.restored_by) == (256, "snapshot")
     assert first.finish_reason == "length" and cold_run.cached_tokens == 0
@@ -715,13 +749,13 @@ def test_small_requests_pass_a_blocked_large_one_for_max_head_wait_steps():
     assert engine().max_head_wait == 16
 
 
-def test_readme_serving_options_block_runs_as_written(caplog):
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("### Serving options\n", 1)[1].split("\n### ", 1)[0]
+def test_the_serving_options_block_runs_as_written(caplog):
+    page = open(os.path.join(ROOT, "docs/serving.md")).read()
+    section = page.split("## Serving options\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
     scope = {"model": DECODER, "geometry": GEOMETRY}
     with caplog.at_level(logging.INFO, logger="v4kv_jax"):
-        exec(block, scope)  # noqa: S102 - the README's own code
+        exec(block, scope)  # noqa: S102 - the page's own code
     outs, engine = scope["outs"], scope["engine"]
     assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
     assert engine.metrics()["requests_finished"] == 3

@@ -13,7 +13,7 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax import pools, step
 from v4kv_jax.nn import Decoder, ModelConfig
-from v4kv_jax.serve import Generator
+from v4kv_jax.serve import Generator, clock
 from v4kv_jax.serve.manager import (
     CacheManager,
     PoolExhaustedError,
@@ -248,3 +248,20 @@ def test_traces_are_counted_per_generator():
     del first
     gc.collect()  # the sum covers the generators alive now
     assert Generator.compiled_programs() == total + 1
+
+
+def test_generator_warmup_compiles_what_generate_runs_and_changes_nothing():
+    decoder = Decoder(ModelConfig(SWA, vocab_size=48, mlp_hidden=0), rngs=nnx.Rngs(2))
+    geometry = v4.CacheConfig(num_pages=6, max_slots=2, max_pages_per_seq=1)
+    warm, cold = (Generator(decoder, geometry, max_prompt_len=8, max_new_tokens=3,
+                            prefill_chunk=8) for _ in range(2))
+    before = jax.tree.map(np.asarray, warm.cache)
+    assert warm.warmup() > 0 and warm.traces == 1
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, warm.cache))
+    compiled = clock.compile_seconds()
+    warm.warmup()  # the second call compiles nothing
+    calls = [([[1, 2], [5] * 8], {"temperature": 0.5}), ([[3]], {"seed": 4, "eos_id": 7})]
+    outs = [warm.generate(prompts, **options) for prompts, options in calls]
+    assert warm.traces == 1 and clock.compile_seconds() == compiled
+    for out, (prompts, options) in zip(outs, calls, strict=True):
+        np.testing.assert_array_equal(out.tokens, cold.generate(prompts, **options).tokens)

@@ -163,6 +163,20 @@ class PrefixCache:
         P = self.geometry.page_tokens
         return chain_digests(prompt[:(len(prompt) - 1) // P * P], P, namespace)
 
+    def warmup(self) -> None:
+        """Runs every pool transfer once on nothing (slot and page ids -1, no pages), as the
+        calls below make them, so that each is compiled before a request needs it; the
+        cache's contents do not change."""
+        M, none = self.geometry.max_pages_per_seq, jnp.int32(-1)
+        self._cache = _hold(self._cache, self._padded([]))
+        self._cache = _drop(self._cache, self._padded([]))
+        self._cache = _attach(self._cache, none, self._padded([], M), jnp.int32(0))
+        self._cache = _restore(self._cache, none, _snapshot(self._cache, none))
+        _read_pages(self._cache, self._padded([], M))
+        contents = {name: jnp.zeros((want.shape[0], M) + want.shape[1:], want.dtype)
+                    for name, want in self._page_template.items()}
+        self._cache, _ = _load_pages(self._cache, contents, jnp.int32(0))
+
     # --- admission --------------------------------------------------------------------------------
 
     def hit_pages(self, digests: list[bytes]) -> int:

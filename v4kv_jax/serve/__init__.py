@@ -8,6 +8,8 @@
               `RequestMetrics`, `StreamOutput`, `EngineError`, `EngineReport`)
   generator   `Generator`: a batch of prompts in one jitted program (prefill, then decode)
   engine      `Engine`: continuous batching with prefix sharing, tiers and streaming
+  clock       seconds the process spent compiling, and the serving clock that leaves them out
+              (the Engine's request metrics)
 
 `forward` runs the model over a chunk of tokens for given slots (`generator.forward`).
 """

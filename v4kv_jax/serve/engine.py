@@ -18,8 +18,10 @@ Every phase has one row per slot (slot id -1 where a slot has nothing to do; a p
 row is skipped by `lax.cond`), so every step and every prompt length runs the same compiled
 program; the last rows draw each request's token with its own key and options
 (`sampling.sample`). Finished requests come back from `step()` as `RequestOutput`s, with
-their `RequestMetrics` (host times: queue time, time to first token, time per output token);
-`generate(..., stream=True)` yields every step's new tokens instead.
+their `RequestMetrics` (host times less the seconds spent compiling, which are reported apart:
+queue time, time to first token, time per output token, compile time);
+`generate(..., stream=True)` yields every step's new tokens instead. `warmup()` compiles every
+program a step runs before the first request.
 
 Prefix sharing (`v4kv_jax.prefix.cache`): every full page is listed under the digest of its
 tokens' chain (namespaced by the engine's fingerprint: attention config, cache geometry, model
@@ -58,6 +60,7 @@ from v4kv_jax.pools import Cache
 from v4kv_jax.pools.paging import pages_for
 from v4kv_jax.prefix import tiers as page_tiers
 from v4kv_jax.prefix.cache import RESTORES, PrefixCache
+from v4kv_jax.serve import clock
 from v4kv_jax.serve.generator import ModelCache, check_prompt
 from v4kv_jax.serve.manager import SlotFlaggedError, SlotTable
 from v4kv_jax.serve.request import (
@@ -289,6 +292,7 @@ class Engine(ModelCache):
              "recomputed_tokens"), 0)
         self._done = {"requests_finished": 0, "tokens_generated": 0, "ttft": [0.0, 0],
                       "tpot": [0.0, 0], "queue_time": [0.0, 0]}  # [sum, count]
+        self._compile_s = 0.0  # seconds compiling during warmup() and steps
 
     # --- the shards -------------------------------------------------------------------------------
 
@@ -441,7 +445,7 @@ class Engine(ModelCache):
                        stop) -> int:
         """`add_request`, the prompt called `name` in its errors."""
         self._check_usable()
-        arrival = time.perf_counter()
+        arrival, compiled = time.perf_counter(), clock.compile_seconds()
         V = self.config.vocab_size
         prompt = check_prompt(name, prompt_ids, V)
         max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
@@ -471,7 +475,7 @@ class Engine(ModelCache):
                else stream_key(sampling.seed))
         self._requests[request_id] = Request(
             request_id, prompt, max_new_tokens, sampling, key, namespace, prompt.tolist(), need,
-            arrival=arrival)
+            arrival=arrival, compiled=compiled)
         self._queue.append(request_id)
         return request_id
 
@@ -606,14 +610,45 @@ class Engine(ModelCache):
         return out
 
     def _step(self) -> None:
+        self._guarded(self._run_step)
+
+    def _guarded(self, run) -> None:
+        """Runs `run` (which may run device programs on the cache), counting the seconds
+        compiled meanwhile; a failure that lost the cache breaks the engine (`step`)."""
         self._check_usable()
+        compiled = clock.compile_seconds()
         try:
-            self._run_step()
+            run()
         except BaseException as e:
             if self._lost():
                 self._broken = f"{type(e).__name__}: {e}"
                 raise self._error() from e
             raise
+        finally:
+            self._compile_s += clock.compile_seconds() - compiled
+
+    def warmup(self) -> float:
+        """Compiles, before the first request, every device program a step of this engine
+        runs: the step program (its one batch shape: a row per slot of every shard), the
+        slot lifecycle (admission, release), the prefix cache's pool transfers (listing,
+        snapshots, attaching and restoring a hit, eviction, promotion) and jax's helpers
+        that a request and a step call. Each program runs once on no rows (slot and page ids
+        -1, token counts 0), so no request and no cache content changes; programs an engine
+        of the same model, geometry and options compiled already are reused. Returns the
+        seconds it took (`metrics()["compile_s"]` counts its compile seconds); a second call
+        compiles nothing and returns about 0."""
+        start = time.perf_counter()
+
+        def run():
+            jax.random.fold_in(self._key, 0)  # add_request's stream of a request
+            stream_key(0)  # and of a request with a seed
+            self._commit_caches(self._run_program(self._batch([])[0])[0])
+            for shard in self.shards:
+                shard.cache = shard.table.warmup(shard.cache)
+                shard.prefix_cache.warmup()
+
+        self._guarded(run)
+        return time.perf_counter() - start
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -630,7 +665,7 @@ class Engine(ModelCache):
         head) lets later ones that fit pass it while it has waited fewer than
         `max_head_wait` steps; then nothing passes it. Every process takes the same
         decisions (from the same requests and the exchanged outcomes of `_admit`)."""
-        head, now = None, time.perf_counter()
+        head, now = None, clock.serving_time()
         for request_id in list(self._queue):
             if sum(r.slot is not None for r in self._requests.values()) >= (
                     self.geometry.max_slots * len(self._owners)):
@@ -656,20 +691,7 @@ class Engine(ModelCache):
                                    "engine")
             return
         batch, work = self._batch(running)
-        if self.mesh is None:
-            cache, nxt, logits = _step_jit(self.graphdef, self.options, None, self.params,
-                                           self.cache, jax.tree.map(jnp.asarray, batch))
-            caches = {0: cache}
-        else:
-            rows = meshes.by_shard(self.mesh)
-            cache, nxt, logits = _step_jit(self.graphdef, self.options, self.mesh,
-                                           self._step_params, self.cache,
-                                           jax.tree.map(lambda x: meshes.put(x, rows), batch))
-            caches = meshes.split(cache, self.mesh)
-        # Fetch everything the host needs first: a device failure surfaces here, before any
-        # host state changes (the old cache was taken over: see `_step`).
-        nxt = meshes.fetch(nxt)
-        logits = meshes.fetch(logits) if self.keep_logits else None
+        caches, nxt, logits = self._run_program(batch)
         tables, flag_error, flags = {}, None, {}
         for i, cache in caches.items():
             tables[i] = np.asarray(pools.page_table(cache))
@@ -679,13 +701,12 @@ class Engine(ModelCache):
             if error is not None:
                 flag_error = flag_error or error
                 flags.update(error.flags)
-        for i, cache in caches.items():
-            self._shard[i].cache = cache
+        self._commit_caches(caches)
         if self.mesh is not None and meshes.any_process(bool(flags)):  # every process's
             flags = {k: v for every in meshes.exchange(flags) for k, v in every.items()}
             flag_error = flag_error or SlotFlaggedError(flags)
         flagged = set(flags)
-        now = time.perf_counter()
+        now = clock.serving_time()
         # Commit: every request's progress, as the device has it. Nothing here can fail.
         finished: list[Request] = []
         advanced = []
@@ -732,6 +753,28 @@ class Engine(ModelCache):
         if flag_error is not None:  # a bug of admission (it reserves every page needed)
             self._broken = f"{type(flag_error).__name__}: {flag_error}"
             raise flag_error
+
+    def _run_program(self, batch: StepBatch
+                     ) -> tuple[dict[int, Cache], np.ndarray, np.ndarray | None]:
+        """Runs the step program on `batch` (host arrays): (shard index -> its new cache, for
+        this process's shards; next tokens i32[S]; logits f32[S, V] with `keep_logits`, else
+        None), fetched to the host. A device failure surfaces here, before any host state
+        changes (the old cache was taken over: see `_step`)."""
+        if self.mesh is None:
+            cache, nxt, logits = _step_jit(self.graphdef, self.options, None, self.params,
+                                           self.cache, jax.tree.map(jnp.asarray, batch))
+            caches = {0: cache}
+        else:
+            rows = meshes.by_shard(self.mesh)
+            cache, nxt, logits = _step_jit(self.graphdef, self.options, self.mesh,
+                                           self._step_params, self.cache,
+                                           jax.tree.map(lambda x: meshes.put(x, rows), batch))
+            caches = meshes.split(cache, self.mesh)
+        return caches, meshes.fetch(nxt), meshes.fetch(logits) if self.keep_logits else None
+
+    def _commit_caches(self, caches: dict[int, Cache]) -> None:
+        for i, cache in caches.items():
+            self._shard[i].cache = cache
 
     def _row(self, req: Request) -> int:
         """The request's row in a step's batch (its slot's row in `cache`)."""
@@ -807,17 +850,18 @@ class Engine(ModelCache):
         """The request's output; it leaves the requests in flight (its slot is not released
         here)."""
         self._requests.pop(req.id, None)
-        end = time.perf_counter()
+        end, compiled = time.perf_counter(), clock.compile_seconds()
+        served, started = end - compiled, req.arrival - req.compiled  # the serving clock
         n = len(req.generated)
         metrics = RequestMetrics(
             arrival_time=req.arrival,
-            queue_time=(end if req.admitted_at is None else req.admitted_at) - req.arrival,
-            ttft=None if req.first_token_at is None else req.first_token_at - req.arrival,
-            tpot=(end - req.first_token_at) / (n - 1) if n > 1 else None,
-            tokens_per_second=n / (end - req.arrival) if n else 0.0, finish_time=end,
+            queue_time=(served if req.admitted_at is None else req.admitted_at) - started,
+            ttft=None if req.first_token_at is None else req.first_token_at - started,
+            tpot=(served - req.first_token_at) / (n - 1) if n > 1 else None,
+            tokens_per_second=n / (served - started) if n else 0.0, finish_time=end,
             prompt_tokens=len(req.prompt), cached_tokens=req.cached,
             replayed_tokens=req.replayed, recomputed_tokens=len(req.prompt) - req.cached,
-            generated_tokens=n)
+            generated_tokens=n, compile_time=compiled - req.compiled)
         done = self._done
         done["requests_finished"] += 1
         done["tokens_generated"] += n
@@ -839,12 +883,17 @@ class Engine(ModelCache):
         """Engine-wide serving metrics (host times, seconds) over every request that has
         finished (aborted ones included): requests_finished, tokens_generated, and the means
         mean_ttft, mean_tpot, mean_queue_time of the requests that have one (None before
-        any); with the prefix cache's prompt-token counts of `memory_report().stats`."""
+        any), which leave out the seconds spent compiling (see `RequestMetrics`);
+        compile_s, the seconds this process spent compiling device programs during this
+        engine's `warmup` and steps (a first step without `warmup` compiles the step
+        program: on a GPU, seconds to tens of seconds); with the prefix cache's prompt-token
+        counts of `memory_report().stats`."""
         done = self._done
         return {"requests_finished": done["requests_finished"],
                 "tokens_generated": done["tokens_generated"],
                 **{f"mean_{k}": done[k][0] / done[k][1] if done[k][1] else None
                    for k in ("ttft", "tpot", "queue_time")},
+                "compile_s": self._compile_s,
                 **{k: self.stats[k] for k in ("requests", "prompt_tokens", "cached_tokens",
                                               "replayed_tokens", "recomputed_tokens")}}
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import weakref
 from collections.abc import Sequence
 
@@ -248,6 +249,45 @@ class Generator(ModelCache):
         """How many programs the generators alive now have traced and compiled, together."""
         return sum(gen.traces for gen in cls._live)
 
+    def warmup(self) -> float:
+        """Compiles, before the first `generate`, every device program it runs: the
+        generator's program (its one shape) and the slot lifecycle (admission, release), with
+        jax's helpers a call uses. Each runs once on no rows (slot ids -1, prompts of length
+        0), so the cache's contents do not change. Returns the seconds it took; a second
+        call compiles nothing and returns about 0."""
+        start, batch = time.perf_counter(), self.batch
+        np.asarray(jax.random.PRNGKey(0))  # the stream of a call with a seed
+        caches = self._caches()
+        for i, table in self.tables.items():
+            caches[i] = table.warmup(caches[i])
+        out = self._run(caches, np.full((batch,), -1, np.int32),
+                        np.zeros((batch, self.buffer), np.int32), np.zeros((batch,), np.int32),
+                        self._row_streams, np.zeros((batch,), np.float32),
+                        np.zeros((batch,), np.int32), np.ones((batch,), np.float32),
+                        np.zeros((batch,), np.float32), np.full((batch, STOP_IDS), -1, np.int32),
+                        limit=1)
+        self._caches()
+        meshes.fetch(out)
+        return time.perf_counter() - start
+
+    def _caches(self) -> dict[int, Cache]:
+        """shard index -> its cache, for this process's shards."""
+        return {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
+
+    def _run(self, caches: dict[int, Cache], *rows: np.ndarray, limit: int) -> jax.Array:
+        """Runs the program on the shards' caches and the host arrays of every row
+        (`_generate`'s arguments from slot_ids to stop_ids), up to `limit` tokens; the new
+        cache is `cache`. Returns the tokens (on the device)."""
+        if self.mesh is None:
+            cache = caches[0]
+            args = tuple(jnp.asarray(a) for a in rows) + (jnp.int32(limit),)
+        else:
+            cache = meshes.assemble(caches, self.mesh)
+            args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in rows) + (
+                meshes.put(np.int32(limit), meshes.replicated(self.mesh)),)
+        self.cache, out = self._program(self.params, cache, *args)
+        return out
+
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
                  temperature: float = 0.0, top_k: int | None = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int | None = None, eos_id: int | None = None,
@@ -318,7 +358,7 @@ class Generator(ModelCache):
             lengths[b] = p.size
             prompt_ids.append(p.tolist())
         S = self.geometry.max_slots
-        caches = {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
+        caches = self._caches()
         slot_ids = np.full((batch,), -1, np.int32)
         for i, table in self.tables.items():  # prompt b on shard b // S
             cache = table.release_all(caches[i])
@@ -330,22 +370,14 @@ class Generator(ModelCache):
                 np.broadcast_to(np.asarray(jax.random.PRNGKey(params.seed)), (batch, 2)))
         stops = np.full((batch, STOP_IDS), -1, np.int32)
         stops[:, :len(stop_ids)] = stop_ids
-        args = (slot_ids, buf, lengths, np.asarray(keys),
-                np.full((batch,), params.temperature, np.float32),
-                np.full((batch,), params.top_k, np.int32),
-                np.full((batch,), params.top_p, np.float32),
-                np.full((batch,), params.min_p, np.float32), stops)
-        if self.mesh is None:
-            cache = caches[0]
-            args = tuple(jnp.asarray(a) for a in args) + (jnp.int32(limit),)
-        else:
-            cache = meshes.assemble(caches, self.mesh)
-            args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in args) + (
-                meshes.put(np.int32(limit), meshes.replicated(self.mesh)),)
-        self.cache, out = self._program(self.params, cache, *args)
+        out = self._run(caches, slot_ids, buf, lengths, np.asarray(keys),
+                        np.full((batch,), params.temperature, np.float32),
+                        np.full((batch,), params.top_k, np.int32),
+                        np.full((batch,), params.top_p, np.float32),
+                        np.full((batch,), params.min_p, np.float32), stops, limit=limit)
         wanted = {b: int(lengths[b]) + limit - 1 for b in range(len(prompts))}
         error = None
-        caches = {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
+        caches = self._caches()
         for i, table in self.tables.items():
             mine = [b for b in table if b < len(prompts)]
             error = error or table.flag_error(caches[i], mine, wanted, noun="prompt")

@@ -208,6 +208,12 @@ class SlotTable:
         del self._slots[request]
         return cache
 
+    def warmup(self, cache: Cache) -> Cache:
+        """Runs the programs of `admit` and `release` once on no slot (id -1, which changes
+        nothing), so that both are compiled before a request needs them; returns the cache."""
+        none = jnp.int32(-1)
+        return _release_slot(_reset_slot(cache, none), none)
+
     def release_all(self, cache: Cache) -> Cache:
         for request in self:
             cache = self.release(cache, request)

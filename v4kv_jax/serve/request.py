@@ -38,6 +38,12 @@ class Completion:
 class RequestMetrics:
     """Host times of one request (`time.perf_counter()` seconds) and its token counts.
 
+    The durations (queue_time, ttft, tpot, tokens_per_second) leave out the seconds the
+    process spent compiling device programs meanwhile (`v4kv_jax.serve.clock`): they measure
+    serving, and `compile_time` holds the rest. A wall-clock duration is the reported one
+    plus the compile seconds that fell inside it (at most `compile_time`). After
+    `Engine.warmup()` no request compiles (compile_time 0.0).
+
     Attributes:
       arrival_time: when `add_request` queued it.
       queue_time: arrival to admission into a slot (to the end, if never admitted).
@@ -52,6 +58,8 @@ class RequestMetrics:
       replayed_tokens: cached tokens replayed (state only) to rebuild the State at the hit.
       recomputed_tokens: prompt tokens computed (prefilled).
       generated_tokens: len(tokens).
+      compile_time: seconds the process spent compiling between its arrival and its end
+        (a first request usually compiles the step program; left out of the durations).
     """
 
     arrival_time: float
@@ -65,6 +73,7 @@ class RequestMetrics:
     replayed_tokens: int
     recomputed_tokens: int
     generated_tokens: int
+    compile_time: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +158,8 @@ class Request:
     tokens: list[int]
     total_pages: int  # pages held at the full length (the last token is never appended)
     arrival: float = 0.0  # time.perf_counter() at add_request
+    compiled: float = 0.0  # `clock.compile_seconds()` at add_request
+    # `clock.serving_time()` (host time less compile seconds) at admission and first token
     admitted_at: float | None = None
     first_token_at: float | None = None
     head_wait: int = 0  # steps it waited blocked at the head of the queue
