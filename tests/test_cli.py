@@ -1,24 +1,113 @@
 import argparse
 import os
 import re
+import subprocess
+import sys
 
+import jax
 import pytest
 
 from v4kv_jax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = ["demo", "--lengths", "200", "40", "--decode-steps", "3", "--chunk", "32"]
+PHASES = ("prefill program", "decode step program", "Engine's programs")
 
 
-def test_demo_runs_and_matches_the_oracle(capsys):
-    rc = cli.main(["demo", "--lengths", "200", "40", "--decode-steps", "3", "--chunk", "32"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+def run_demo(cache_dir, *, log_compiles: bool = False) -> subprocess.CompletedProcess:
+    """`v4kv demo` in a new process with jax's persistent compilation cache in `cache_dir`
+    (tests/conftest.py turns the cache off for the suite's processes: this one turns it on)."""
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="true",
+               JAX_COMPILATION_CACHE_DIR=str(cache_dir))
+    env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)  # the CLI's own: keep all
+    if log_compiles:  # jax then logs each load from the cache as a warning
+        env["JAX_LOG_COMPILES"] = "true"
+    proc = subprocess.run([sys.executable, "-m", "v4kv_jax.cli", *DEMO], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def cache_entries(cache_dir) -> set[str]:
+    return {name for name in os.listdir(cache_dir) if name.endswith("-cache")}
+
+
+def results(out: str) -> list[str]:
+    """The demo's lines that hold no seconds or rates: the same for every run."""
+    return [line for line in out.splitlines()
+            if re.search(r"req\d: \.\.\.|deviation|equals|cached tokens|pages shared", line)]
+
+
+def test_demo_runs_and_matches_the_oracle_and_a_second_run_loads_its_programs(tmp_path):
+    cache_dir = tmp_path / "jax-cache"
+    out = run_demo(cache_dir).stdout
     assert "Classical bytes/token" in out and "Dense per-token cache" in out
     assert re.search(r"Largest deviation from the brute-force oracle: \d\.\d\de-0[5-9]", out)
     assert re.search(r"req0 +203 +50 +1 ", out)
     # The prefix step: req0's first page is shared, and the hit's output is the cold run's.
     assert "cached tokens 128 of 153 (State restored by snapshot on the device tier" in out
     assert "Prefix hit equals the cold run: yes" in out
+    # Before each compilation, which shows nothing for seconds: what, how long, and that the
+    # next run loads it from the cache; after it, the seconds.
+    assert f"Compilation cache: {cache_dir} (JAX_COMPILATION_CACHE_DIR moves it" in out
+    lines = out.splitlines()
+    for phase in PHASES:
+        notice = next(i for i, line in enumerate(lines)
+                      if line.strip().startswith(f"compiling the {phase}"))
+        assert re.search(r"\(about \d+ s on a 2-core CPU; the next run loads it from the "
+                         r"compilation cache\) \.\.\.$", lines[notice]), lines[notice]
+        ready = lines[notice + 1]
+        assert ready.strip().startswith(f"{phase} ready") and re.search(
+            r": \d+\.\d s \(\d+ programs? compiled and written to the compilation cache\)$",
+            ready), ready
+    written = cache_entries(cache_dir)
+    assert len(written) >= 3
+
+    # A second process: every program comes from the cache, none is compiled (the cache
+    # keeps every program: nothing new is written), and the results are the same.
+    second = run_demo(cache_dir, log_compiles=True)
+    out2 = second.stdout
+    assert "this one finds programs there." in out2 and "compiling the" not in out2
+    for phase in PHASES:
+        assert f"loading the {phase} from the compilation cache" in out2, phase
+    assert len(re.findall(r" ready.*: \d+\.\d s \(\d+ programs? loaded from the compilation "
+                          r"cache\)$", out2, re.M)) == 3, out2
+    assert "compiled and written" not in out2
+    assert cache_entries(cache_dir) == written
+    hits = set(re.findall(r"Persistent compilation cache hit for '[^']+' with key '([^']+)'",
+                          second.stderr))
+    assert {f"{key}-cache" for key in hits} == written
+    assert results(out2) == results(out) and len(results(out)) >= 6
+
+
+def test_the_compilation_cache_is_per_user_and_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cli.default_cache_dir() == str(tmp_path / "xdg" / "v4kv_jax" / "jax")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cli.default_cache_dir() == str(tmp_path / "home" / ".cache" / "v4kv_jax" / "jax")
+    assert cli._parser().parse_args(["demo", "--no-compile-cache"]).no_compile_cache
+    assert not cli._parser().parse_args(["demo"]).no_compile_cache
+    config = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+              "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in config}
+    try:
+        monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", "true")
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+        assert cli.compile_cache() == str(tmp_path / "mine")
+        assert jax.config.jax_enable_compilation_cache
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        assert cli.compile_cache() == str(tmp_path / "home" / ".cache" / "v4kv_jax" / "jax")
+        assert cli.compile_cache(enabled=False) is None  # --no-compile-cache
+        assert not jax.config.jax_enable_compilation_cache
+        for off in ("false", "0", "False"):
+            monkeypatch.setenv("JAX_ENABLE_COMPILATION_CACHE", off)
+            assert cli.compile_cache() is None
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
 
 
 def test_memory_of_flash_preset(capsys):

@@ -8,11 +8,17 @@
   v4kv memory    the cache cost of a preset (flash, pro) at a given context, computed from
                  the geometry alone, in the preset's storage formats (the release formats
                  for flash and pro) or those of --formats.
+
+`v4kv demo` keeps the programs it compiles in jax's persistent compilation cache, in
+~/.cache/v4kv_jax/jax ($XDG_CACHE_HOME/v4kv_jax/jax; JAX_COMPILATION_CACHE_DIR moves it,
+--no-compile-cache or JAX_ENABLE_COMPILATION_CACHE=false turns it off): the first run compiles
+for about half a minute on a 2-core CPU, later runs load the programs in a few seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -36,6 +42,96 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
 
+# --- jax's persistent compilation cache --------------------------------------------------------
+
+_FALSE = ("0", "false", "f", "no", "n", "off")
+
+
+def default_cache_dir() -> str:
+    """The per-user folder of the CLI's compilation cache: $XDG_CACHE_HOME/v4kv_jax/jax, by
+    default ~/.cache/v4kv_jax/jax."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "v4kv_jax", "jax")
+
+
+def compile_cache(enabled: bool = True) -> str | None:
+    """Turns jax's persistent compilation cache on for this process, before anything compiles,
+    and returns its folder: JAX_COMPILATION_CACHE_DIR if set, else `default_cache_dir()`.
+    Every program is kept however fast it compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+    overrides that). Returns None, and turns the cache off, when `enabled` is False or the
+    environment says JAX_ENABLE_COMPILATION_CACHE=false."""
+    import jax
+
+    if not enabled or os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in _FALSE:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    path = os.path.abspath(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir())
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+class CacheEvents:
+    """Counts, while open, the programs jax loads from the persistent compilation cache
+    (`loaded`) and the ones it compiles and writes to it (`written`), from jax's monitoring
+    events."""
+
+    HIT, WRITE = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+    def __init__(self):
+        self.loaded = self.written = 0
+
+    def _event(self, event: str, **kwargs) -> None:
+        if event == self.HIT:
+            self.loaded += 1
+        elif event == self.WRITE:
+            self.written += 1
+
+    def __enter__(self) -> CacheEvents:
+        import jax
+
+        jax.monitoring.register_event_listener(self._event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import jax
+
+        jax.monitoring.unregister_event_listener(self._event)
+
+
+def _has_programs(cache_dir: str | None) -> bool:
+    """Whether the compilation cache holds programs (jax names its entries `<key>-cache`)."""
+    return bool(cache_dir) and os.path.isdir(cache_dir) and any(
+        name.endswith("-cache") for name in os.listdir(cache_dir))
+
+
+def _compiling(what: str, seconds: str, cache_dir: str | None, warm: bool) -> None:
+    """The notice printed before a program is first needed: compiling it shows nothing."""
+    if cache_dir is None:
+        _say(f"      compiling the {what} (about {seconds} s on a 2-core CPU) ...")
+    elif warm:
+        _say(f"      loading the {what} from the compilation cache (about {seconds} s on a "
+             "2-core CPU to compile what it lacks) ...")
+    else:
+        _say(f"      compiling the {what} (about {seconds} s on a 2-core CPU; the next run "
+             "loads it from the compilation cache) ...")
+
+
+def _compiled(what: str, seconds: float, events: CacheEvents, cache_dir: str | None) -> None:
+    """The seconds it took, and what the compilation cache did meanwhile."""
+    done = []
+    if events.loaded:
+        done.append(f"{_count(events.loaded, 'program')} loaded from the compilation cache")
+    if events.written:
+        done.append(f"{_count(events.written, 'program')} compiled and written to "
+                    + ("it" if events.loaded else "the compilation cache"))
+    if cache_dir is None:
+        done.append("no compilation cache")
+    _say(f"      {what}: {seconds:.1f} s" + (f" ({', '.join(done)})" if done else ""))
+
+
 def demo(args) -> int:
     import jax
 
@@ -47,6 +143,7 @@ def demo(args) -> int:
     problem = _demo_problem(args)
     if problem:
         raise ValueError(problem)
+    cache_dir = compile_cache(not getattr(args, "no_compile_cache", False))
     jax.config.update("jax_default_matmul_precision", "highest")
     model = cfg.AttentionConfig(**DEMO_MODEL)
     lengths = np.asarray(args.lengths)
@@ -59,6 +156,15 @@ def demo(args) -> int:
          f"H={model.num_heads} hd={model.head_dim} W={model.window} m={model.csa_ratio} "
          f"m'={model.hca_ratio} top-k={model.index_topk}; pages of {geometry.page_tokens} "
          "tokens")
+    warm = _has_programs(cache_dir)
+    if cache_dir:
+        _say(f"Compilation cache: {cache_dir} (JAX_COMPILATION_CACHE_DIR moves it, "
+             "--no-compile-cache turns it off). A first run compiles the demo's programs, "
+             "about half a minute in all on a 2-core CPU; later runs load them from this cache"
+             + ("; this one finds programs there." if warm else "."))
+    else:
+        _say("Compilation cache: off. Every run compiles the demo's programs, about half a "
+             "minute in all on a 2-core CPU.")
     data = synthetic.SyntheticBatch.draw(model, len(lengths), int(total.max()), seed=args.seed)
     mgr = CacheManager(model, geometry, data.weights)
     requests = [f"req{i}" for i in range(len(lengths))]
@@ -68,19 +174,23 @@ def demo(args) -> int:
     outputs = np.zeros((model.num_layers, len(lengths), int(total.max()), model.num_heads,
                         model.head_dim), np.float32)
 
-    _say(f"[1/6] prefill of {lengths.tolist()} tokens, {chunk}-token chunks "
-         "(first call compiles)")
+    _say(f"[1/6] prefill of {lengths.tolist()} tokens, {chunk}-token chunks")
     done = np.zeros_like(lengths)
     compile_s, prefill_s, prefill_tokens = 0.0, 0.0, 0
     while (done < lengths).any():
         n = np.minimum(chunk, lengths - done)
         pos = done[:, None] + np.arange(chunk)[None, :]
         vectors, queries = data.take(pos), data.stacked_queries(pos)
+        first = compile_s == 0.0
+        if first:
+            _compiling("prefill program", "10", cache_dir, warm)
         t0 = time.perf_counter()
-        out = np.asarray(mgr.prefill(requests, vectors, n, queries=queries))
+        with CacheEvents() as events:
+            out = np.asarray(mgr.prefill(requests, vectors, n, queries=queries))
         dt = time.perf_counter() - t0
-        if compile_s == 0.0:
+        if first:
             compile_s = dt
+            _compiled("prefill program ready, first call", dt, events, cache_dir)
         else:
             prefill_s += dt
             prefill_tokens += int(n.sum())
@@ -94,11 +204,15 @@ def demo(args) -> int:
     for i in range(args.decode_steps):
         pos = lengths + i
         vectors, queries = data.take(pos), data.stacked_queries(pos)
+        if i == 0:
+            _compiling("decode step program", "6", cache_dir, warm)
         t0 = time.perf_counter()
-        out = np.asarray(mgr.decode(vectors, queries=queries))
+        with CacheEvents() as events:
+            out = np.asarray(mgr.decode(vectors, queries=queries))
         dt = time.perf_counter() - t0
         if i == 0:
             decode_compile = dt
+            _compiled("decode step program ready, first call", dt, events, cache_dir)
         else:
             decode_s += dt
         outputs[:, rows, pos] = out[:, rows, 0]
@@ -133,22 +247,24 @@ def demo(args) -> int:
          "B/token")
     decode_tokens = (args.decode_steps - 1) * len(lengths)
     _say(f"\nPrefill: {prefill_tokens / prefill_s:,.0f} tokens/s after a {compile_s:.1f} s "
-         "first call (compile)" if prefill_s else
-         f"\nPrefill: one call of {compile_s:.1f} s (compile included)")
+         "first call" if prefill_s else f"\nPrefill: one call of {compile_s:.1f} s")
     if decode_s:
         _say(f"Decode:  {decode_tokens / decode_s:,.0f} tokens/s "
              f"({1e3 * decode_s / (args.decode_steps - 1):.1f} ms/step for {len(lengths)} "
              f"requests, all layers) after a {decode_compile:.1f} s first step")
     _say(f"Largest deviation from the brute-force oracle: {worst:.2e}"
          + (f" (layer {worst_at[0]} {worst_at[1]}, {worst_at[2]})" if worst_at else ""))
-    prefix_ok = generate(model, lengths, args)
+    prefix_ok = generate(model, lengths, args, cache_dir, warm)
     return 0 if worst < 1e-4 and prefix_ok else 1
 
 
-def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
+def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args,
+             cache_dir: str | None = None, warm: bool = False) -> bool:
     """Generates with a random-weight `v4kv_jax.nn.Decoder` of the demo's attention geometry,
     served by the `v4kv_jax.Engine`; then a prompt sharing req0's prefix hits its pages.
-    Returns whether that hit's output equals a cold run's."""
+    `cache_dir`: the compilation cache's folder (None: off); `warm`: whether it held programs
+    when the demo started (the notices say "loading" instead of "compiling"). Returns whether
+    that hit's output equals a cold run's."""
     from flax import nnx
 
     from v4kv_jax.nn import Decoder, ModelConfig
@@ -172,9 +288,11 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
          f"tokens, {new} new tokens each, greedy")
     engine = Engine(model, geometry, prefill_chunk=chunk, snapshot_every_pages=1,
                     keep_logits=True)
-    t0 = time.perf_counter()
-    engine.generate(prompts, new, cache_salt="warm-up")
-    first = time.perf_counter() - t0
+    _compiling("Engine's programs", "16", cache_dir, warm)
+    with CacheEvents() as events:
+        first = engine.warmup()
+    _compiled("Engine's programs ready (its step, the slot lifecycle, the prefix cache's "
+              "transfers), Engine.warmup()", first, events, cache_dir)
     t0 = time.perf_counter()
     out = engine.generate(prompts, new)
     full = time.perf_counter() - t0
@@ -188,7 +306,7 @@ def generate(attention: cfg.AttentionConfig, lengths: np.ndarray, args) -> bool:
     _say(f"Generation: {made / full:,.0f} tokens/s end to end ({made} new tokens for "
          f"{int(lengths.sum())} prompt tokens in {full:.2f} s), {batch * new / short:,.0f} "
          f"tokens/s with 1-token prompts (decode alone); one compiled step program, "
-         f"{first:.1f} s first call")
+         f"ready after {first:.1f} s of Engine.warmup()")
     _say("Streaming (engine.generate(prompts, new, stream=True)): each step's new tokens, "
          "as they come")
     streamed = {i: [] for i in range(batch)}
@@ -427,6 +545,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--unroll", action="store_true",
                    help="unroll the decoder's layers instead of scanning over layer groups "
                         "(default: scanned)")
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help="compile every program instead of loading it from jax's persistent "
+                        "compilation cache (default: the cache is on, in "
+                        "JAX_COMPILATION_CACHE_DIR or ~/.cache/v4kv_jax/jax)")
     p.set_defaults(run=demo, problem=_demo_problem, parser=p)
     p = sub.add_parser(
         "memory", formatter_class=_HelpFormatter,
