@@ -133,6 +133,16 @@ def test_memory_with_hisparse(capsys):
     assert "(17,787,912 B) per request" in out
     assert ("device 465.21 MiB (Classical 448.25 MiB + State with hot sets 16.96 MiB), "
             "host 3,066.00 MiB") in out
+    # 64 GiB / 465.21 MiB: 140 requests per device, each with 3,066 MiB of C4 entries on the
+    # host: 140 x 3,066 MiB = 419.18 GiB of host memory per device.
+    assert "data parallel over 1 device 140 per device" in out
+    assert ("Host memory they need (HiSparse): 140 x 3,066.00 MiB of C4 entries = 419.18 GiB "
+            "per device, 419.18 GiB over the 1 device (data parallel)") in out
+    assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--hot-rows", "1024",
+                     "--devices", "2"]) == 0
+    assert "= 419.18 GiB per device, 838.36 GiB over the 2 devices" in capsys.readouterr().out
+    assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576"]) == 0
+    assert "Host memory" not in capsys.readouterr().out
 
 
 def test_memory_over_devices(capsys):

@@ -272,7 +272,7 @@ def test_memory_report_counts_the_stored_bytes(formats):
     cache = synthetic.random_cache(WIDE, geometry, [130, 40])
     report = pools.memory_report(cache)
     classical = sum(pools.entries(cache, s).nbytes for s in cache.specs)
-    assert report.page_bytes * geometry.num_pages == classical
+    assert report.page_bytes * geometry.num_pages == classical == report.capacity_bytes
     assert report.state_bytes_total == 2 * report.state_bytes_per_request
     assert report.pages_used == 3 and report.allocated_bytes == 3 * report.page_bytes
     row = {name: storage.codec(WIDE, geometry, name).row_bytes for name in ("csa", "csa_index")}

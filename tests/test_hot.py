@@ -234,7 +234,18 @@ def test_the_memory_report_counts_the_hot_sets_and_the_host_tier(runs):
     per_token = report.classical_bytes_per_token
     assert report.device_bytes_per_token == per_token["total"] - (
         MODEL.num_csa * c4_row / MODEL.csa_ratio)
-    assert "Host memory:" in report.format() and "Host memory:" not in without.format()
+    # The host tier's capacity, and what the slots need at full length: 3 requests of 4 pages
+    # of 128 tokens, 32 C4 entries a page in each CSA layer.
+    per_request = MODEL.num_csa * 4 * 32 * c4_row
+    assert report.host_bytes_per_request == per_request and without.host_bytes_per_request == 0
+    assert report.host_bytes_for_slots == 3 * per_request
+    text = report.format()
+    assert (f"Host capacity:         {c4_bytes:,} B, the C4 entries of all 8 pages (device "
+            f"Classical {classical - c4_bytes:,} B, ") in text
+    assert (f"Host need:             3 requests of up to 512 tokens: 3 x {per_request:,} B = "
+            f"{3 * per_request:,} B of C4 entries (every slot at full length, no page "
+            "shared)") in text
+    assert "Host" not in without.format()
 
 
 def test_pages_move_out_of_and_into_the_host_tier(runs):

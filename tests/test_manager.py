@@ -151,6 +151,15 @@ def test_memory_report_counts_entries_and_pages():
     assert rep.page_bytes == 128 * 112
     assert rep.entry_bytes == 2 * 48 * 4 * 50 + 2 * 32 * 4 * 12
     assert rep.allocated_bytes == 2 * 128 * 112
-    assert "Classical bytes/token" in rep.format()
+    assert rep.capacity_bytes == 24 * 128 * 112 and (rep.slots_total, rep.slots_used) == (3, 1)
+    # The pool's capacity apart from the pages in use and what they hold.
+    text = rep.format()
+    assert "Classical bytes/token" in text
+    assert "Classical capacity:    344,064 B, 24 pages of 14,336 B" in text
+    assert ("Classical in use:      2 pages = 28,672 B holding 22,272 B of entries (x1.287, "
+            "partly filled last pages); 22 free, 0 shared") in text
+    assert f"State capacity:        {3 * rep.state_bytes_per_request:,} B, 3 slots (1 in use)" in (
+        text)
+    assert "allocated" not in text and "Host" not in text and rep.host_bytes_per_request == 0
     inspect = mgr.inspect()["r"]
     assert (inspect.length, inspect.c4_entries, inspect.c128_entries) == (200, 50, 12)

@@ -18,6 +18,7 @@ for about half a minute on a 2-core CPU, later runs load the programs in a few s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -40,6 +41,10 @@ def _say(msg: str) -> None:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
+
+
+def _gib_text(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB"
 
 
 # --- jax's persistent compilation cache --------------------------------------------------------
@@ -240,7 +245,7 @@ def demo(args) -> int:
     dense = tokens_held * pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)
     v4_bytes = report.allocated_bytes + len(lengths) * report.state_bytes_per_request
     _say(f"\nDense per-token cache of the same {model.num_layers} layers for {tokens_held} "
-         f"tokens: {_mib(dense)}; V4 Classical allocated + State: {_mib(v4_bytes)} "
+         f"tokens: {_mib(dense)}; V4 Classical in use + State: {_mib(v4_bytes)} "
          f"({dense / v4_bytes:.1f}x smaller)")
     _say(f"Classical entries {_mib(report.entry_bytes)} = {report.entry_bytes / tokens_held:.1f} "
          f"B/token vs dense {pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)} "
@@ -417,6 +422,13 @@ def memory(args) -> int:
          f"{over} {per_device:,} per device, {devices * per_device:,} in total; tensor "
          f"parallel over {over} {per_device:,} in total (the one MQA latent and its indexer "
          f"keys are replicated on every device, so each holds every request)")
+    if hot_rows and per_device:
+        host_request = pools.host_bytes_per_request(model, dataclasses.replace(
+            geometry, max_pages_per_seq=pages))
+        _say(f"Host memory they need (HiSparse): {per_device:,} x {_mib(host_request)} of C4 "
+             f"entries = {_gib_text(per_device * host_request)} per device, "
+             f"{_gib_text(devices * per_device * host_request)} over the {over} (data "
+             "parallel); a host holds the sum over its devices")
     if not per_device:
         _say(f"Not one request fits: each needs {_mib(device_request + state)} on the device, "
              f"more than --device-gib {budget / 2**30:g}")

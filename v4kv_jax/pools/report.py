@@ -144,14 +144,25 @@ class MemoryReport:
       state_bytes_per_request: fixed State bytes of one slot (window ring + tails + counters).
       page_bytes: Classical bytes of one page (all layers, all entry kinds).
       pages_total, pages_used, pages_free, pages_shared: page counts (shared = refcount > 1).
-      allocated_bytes: pages_used * page_bytes.
+        The pool's arrays hold all pages_total pages from the start (`capacity_bytes`); a
+        page is in use from when a request or the prefix index takes it off the free stack.
+      allocated_bytes: pages_used * page_bytes, the bytes of the pages in use (not the
+        pool's capacity).
       entry_bytes: bytes of the complete entries present in the used pages, each page
         counted once however many requests share it.
-      state_bytes_total: State pool bytes for all slots.
+      state_bytes_total: State pool bytes for all slots (its capacity: every slot's State
+        is held from the start).
       device_bytes_per_token: the part of classical_bytes_per_token["total"] that lives on
         the device (all of it, but the C4 entries with c4_tier="host").
       device_bytes, host_bytes: {"classical", "state"} bytes of each pool's arrays in device
         and in host memory (c4_tier="host": the C4 entries on the host).
+      slots_total, slots_used: the slots of the State pool (max_slots) and those a request
+        holds.
+      request_tokens_max: the longest request a slot takes (max_pages_per_seq * P tokens).
+      host_bytes_per_request: the host memory one request of request_tokens_max tokens fills
+        (its C4 entries with c4_tier="host"; 0 otherwise): the slots_total requests the
+        cache admits need slots_total times as much (`host_bytes_for_slots`), unless they
+        share pages.
     """
 
     classical_bytes_per_token: dict[str, float]
@@ -167,26 +178,57 @@ class MemoryReport:
     device_bytes_per_token: float
     device_bytes: dict[str, int]
     host_bytes: dict[str, int]
+    slots_total: int
+    slots_used: int
+    request_tokens_max: int
+    host_bytes_per_request: int
 
     @property
     def allocation_overhead(self) -> float:
-        """Allocated / needed bytes (1.0 = no waste; partial last pages make it larger)."""
+        """In-use / needed bytes (1.0 = no waste; partial last pages make it larger)."""
         return self.allocated_bytes / self.entry_bytes if self.entry_bytes else float("nan")
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The Classical pool's bytes: all pages_total pages, in use or free."""
+        return self.pages_total * self.page_bytes
+
+    @property
+    def host_bytes_for_slots(self) -> int:
+        """The host memory that slots_total requests of request_tokens_max tokens fill with
+        their C4 entries when they share no page (c4_tier="host"; 0 otherwise)."""
+        return self.slots_total * self.host_bytes_per_request
 
     def format(self) -> str:
         per_tok = ", ".join(f"{k} {v:.1f} B" for k, v in self.classical_bytes_per_token.items())
-        return "\n".join([
+        if self.entry_bytes:
+            held = (f"holding {self.entry_bytes:,} B of entries (x{self.allocation_overhead:.3f}"
+                    ", partly filled last pages)")
+        else:
+            held = "holding no complete entry yet"
+        lines = [
             f"Classical bytes/token: {per_tok}",
             f"State bytes/request:   {self.state_bytes_per_request:,} B",
-            f"Pages: {self.pages_used} used, {self.pages_free} free, {self.pages_shared} shared "
-            f"of {self.pages_total} ({self.page_bytes:,} B each)",
-            f"Classical allocated:   {self.allocated_bytes:,} B for {self.entry_bytes:,} B of "
-            + (f"entries (x{self.allocation_overhead:.3f})" if self.entry_bytes else "entries"),
-            f"State pool total:      {self.state_bytes_total:,} B",
-        ] + ([f"Host memory:           Classical {self.host_bytes['classical']:,} B, device "
-              f"Classical {self.device_bytes['classical']:,} B "
-              f"({self.device_bytes_per_token:.1f} B/token)"]
-             if self.host_bytes["classical"] else []))
+            f"Classical capacity:    {self.capacity_bytes:,} B, {self.pages_total} pages of "
+            f"{self.page_bytes:,} B",
+            f"Classical in use:      {self.pages_used} pages = {self.allocated_bytes:,} B "
+            f"{held}; {self.pages_free} free, {self.pages_shared} shared",
+            f"State capacity:        {self.state_bytes_total:,} B, {self.slots_total} slots "
+            f"({self.slots_used} in use)",
+        ]
+        if self.host_bytes["classical"]:
+            lines.append(
+                f"Host capacity:         {self.host_bytes['classical']:,} B, the C4 entries of "
+                f"all {self.pages_total} pages (device Classical "
+                f"{self.device_bytes['classical']:,} B, {self.device_bytes_per_token:.1f} "
+                "B/token)")
+        if self.host_bytes_per_request:
+            lines.append(
+                f"Host need:             {self.slots_total} requests of up to "
+                f"{self.request_tokens_max:,} tokens: {self.slots_total} x "
+                f"{self.host_bytes_per_request:,} B = {self.host_bytes_for_slots:,} B of C4 "
+                "entries (every slot at full length, no page shared)")
+        return "\n".join(lines)
 
 
 def total_report(reports: list[MemoryReport]) -> MemoryReport:
@@ -195,7 +237,7 @@ def total_report(reports: list[MemoryReport]) -> MemoryReport:
     first = reports[0]
     total = {f: sum(getattr(r, f) for r in reports) for f in (
         "pages_total", "pages_used", "pages_free", "pages_shared", "allocated_bytes",
-        "entry_bytes", "state_bytes_total")}
+        "entry_bytes", "state_bytes_total", "slots_total", "slots_used")}
     kinds = {f: {k: sum(getattr(r, f)[k] for r in reports) for k in getattr(first, f)}
              for f in ("device_bytes", "host_bytes")}
     return dataclasses.replace(first, **total, **kinds)
@@ -238,6 +280,14 @@ def _bytes_by_memory(tree) -> tuple[int, int]:
         else:
             device += x.nbytes
     return device, host
+
+
+def host_bytes_per_request(model: AttentionConfig, geometry: CacheConfig) -> int:
+    """The host memory one request of max_seq_len tokens fills: its C4 entries with
+    c4_tier="host" (V4-Flash release formats, 1M tokens: 21 x 584 x 262,144 B = 3,066 MiB),
+    0 with every entry on the device."""
+    return sum(n * one * (geometry.max_seq_len // spec.ratio)
+               for spec, n, one in _entry_rows(model, geometry) if on_host(geometry, spec))
 
 
 def page_bytes(model: AttentionConfig, geometry: CacheConfig) -> int:
@@ -301,6 +351,10 @@ def memory_report(cache: Cache) -> MemoryReport:
         device_bytes_per_token=device_bytes_per_token(model, geo),
         device_bytes=dict(zip(("classical", "state"), (classical[0], state[0]), strict=True)),
         host_bytes=dict(zip(("classical", "state"), (classical[1], state[1]), strict=True)),
+        slots_total=geo.max_slots,
+        slots_used=int(np.sum(active)),
+        request_tokens_max=geo.max_seq_len,
+        host_bytes_per_request=host_bytes_per_request(model, geo),
     )
 
 
@@ -312,6 +366,6 @@ def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") 
 
 
 __all__ = ["MemoryReport", "SlotContents", "SlotReport", "classical_bytes_per_token",
-           "device_bytes_per_token",
+           "device_bytes_per_token", "host_bytes_per_request",
            "dense_cache_bytes_per_token", "inspect_slots", "is_deleted", "memory_report",
            "page_bytes", "read_slot", "state_bytes_per_request", "total_report"]

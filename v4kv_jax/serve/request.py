@@ -246,7 +246,7 @@ class EngineReport:
             f"computed {s['recomputed_tokens']:,}; {s['hits']} hits in {s['requests']} "
             f"requests; {s['pages_evicted']} pages evicted",
         ] + ([f"Snapshot directory {self.snapshot_dir}"] if self.snapshot_dir else [])
-          + [f"Shard {i}: {r.cache.pages_used} pages used, {r.cache.pages_free} free, "
+          + [f"Shard {i}: {r.cache.pages_used} pages in use, {r.cache.pages_free} free, "
              f"{r.pages_indexed} listed" for i, r in enumerate(self.shards)])
 
 
