@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.machinery
+import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import types
 
@@ -81,6 +84,7 @@ def run_install_cell(source: str, jax_version: str | None = None) -> dict:
         return namespace
     fake = types.ModuleType("jax")
     fake.__version__ = jax_version
+    fake.__spec__ = importlib.machinery.ModuleSpec("jax", None)
     missing = object()
     real = sys.modules.get("jax", missing)
     sys.modules["jax"] = fake
@@ -109,13 +113,47 @@ def test_install_cell_installs_the_repo_and_never_jax():
                  for word in words[2:] if not word.startswith(("-", "$", "{"))}
         assert not names & JAX_DISTS, f"installs jax: {line}"
     v4kv = [line for line in pips if "$V4KV_SOURCE" in line]
-    assert len(v4kv) == 1 and "--no-deps" in v4kv[0], pips  # its pins would replace jax
+    # With its dependencies, every pip line held to the installed jax and jaxlib.
+    assert len(v4kv) == 1 and "--no-deps" not in v4kv[0], pips
+    assert all('-c "$KEEP_JAX"' in line for line in pips), pips
     # Outside Colab the cell installs nothing, and the current jax passes its check.
     assert "google.colab" not in sys.modules
     namespace = run_install_cell(source)
     assert namespace["V4KV_REPO"] == V4KV_REPO_URL
     assert namespace["MIN_JAX"] == (0, 10, 2)
-    assert "V4KV_SOURCE" not in namespace
+    assert "V4KV_SOURCE" not in namespace and "KEEP_JAX" not in namespace
+
+
+def test_the_minimum_jax_is_the_packages_lower_bound():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(os.path.dirname(NOTEBOOKS), "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    minimum = ".".join(map(str, run_install_cell(install_cell_source())["MIN_JAX"]))
+    assert f"jax>={minimum}" in deps and f"jaxlib>={minimum}" in deps
+
+
+def test_the_install_cell_installs_the_dependencies_and_keeps_the_installed_jax(tmp_path):
+    """The cell's %pip line, run by pip with --dry-run against this environment (no index;
+    this checkout for $V4KV_SOURCE): it would install v4kv_jax alone, the installed jax,
+    jaxlib, flax and chex satisfying its dependencies, and the constraints file holds the
+    installed jax and jaxlib."""
+    from importlib.metadata import version
+
+    namespace = run_install_cell(install_cell_source())
+    keep = namespace["keep_jax"](str(tmp_path / "keep.txt"))
+    with open(keep) as f:
+        assert f.read().split() == [f"jax=={version('jax')}", f"jaxlib=={version('jaxlib')}"]
+    (line,) = [line for line in magic_lines(install_cell_source()) if "$V4KV_SOURCE" in line]
+    words = shlex.split(line)[2:]  # after "%pip install"
+    words = [{"$KEEP_JAX": keep, "$V4KV_SOURCE": os.path.dirname(NOTEBOOKS)}.get(w, w)
+             for w in words if w != "-q"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index",
+         "--no-build-isolation", "--disable-pip-version-check", "--quiet", "--report", "-",
+         *words], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [i["metadata"]["name"] for i in report["install"]] == ["v4kv_jax"]
 
 
 @pytest.mark.parametrize("version", ["0.10.2", "0.10.2.dev20260101", "0.10.3", "0.11.2",
@@ -131,4 +169,5 @@ def test_install_cell_rejects_old_jax_naming_both_versions_and_the_fix(version):
     message = str(raised.value)
     assert f"jax {version}" in message and ">= 0.10.2" in message
     assert "Runtime > Change runtime type" in message
-    assert 'pip install -U "jax[tpu]"' in message and '"jax[cuda12]"' in message
+    assert 'pip install -U "jax[tpu]"' in message and '"jax[cuda13]"' in message
+    assert '"jax[cuda12]"' in message
