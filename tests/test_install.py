@@ -1,10 +1,15 @@
 """What pip is told: the dependency ranges of pyproject.toml, and that pip resolves the package
-against this environment without replacing anything (offline: --no-index)."""
+against this environment without replacing anything (offline: --no-index); docs/install.md's
+version table and pip commands agree with it (each command parses, names extras jax has, and
+resolves offline where this environment holds what it installs)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 
@@ -75,5 +80,75 @@ def would_install(*args: str) -> list[str]:
                   for i in report["install"])
 
 
-def test_pip_resolves_the_package_and_its_test_extra_with_what_is_installed():
-    assert would_install("-e", ".[test]") == ["v4kv_jax==0.1.0"]
+# --- docs/install.md ---------------------------------------------------------------------------
+
+INSTALL_MD = os.path.join(ROOT, "docs", "install.md")
+REPO_URL = "git+https://github.com/v4kv-jax/v4kv_jax.git"  # the notebook's V4KV_REPO
+
+
+def install_page() -> str:
+    with open(INSTALL_MD) as f:
+        return f.read()
+
+
+def pip_commands() -> list[list[str]]:
+    """The `pip install` commands of docs/install.md (its bash blocks and inline code), each
+    as the words after `pip install`, one per `&&` part."""
+    text = install_page()
+    parts = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+             for line in block.splitlines()]
+    parts += [" ".join(span.split()) for span in re.findall(r"`(pip install[^`]*)`", text)]
+    found = []
+    for line in parts:
+        for part in line.split("&&"):
+            words = shlex.split(part)
+            if words[:2] == ["pip", "install"] and words[2:]:  # not "`pip install` of ..."
+                found.append(words[2:])
+    return found
+
+
+def test_the_version_table_is_the_packages_lower_bounds():
+    rows = dict(re.findall(r"^\| ([\w, ]+) \| ([\d.]+) \|", install_page(), re.M))
+    deps = requirements(PROJECT["dependencies"])
+    assert rows["Python"] == PROJECT["requires-python"].removeprefix(">=")
+    for names, lowest in rows.items():
+        for name in names.split(", "):
+            if name != "Python":
+                assert str(deps[name].specifier) == f">={lowest}", name
+
+
+def test_the_pip_commands_parse_and_name_extras_jax_has():
+    jax_extras = set(importlib.metadata.metadata("jax").get_all("Provides-Extra"))
+    commands = pip_commands()
+    seen = set()
+    for words in commands:
+        for word in words:
+            if word.startswith("-") or word.startswith("."):
+                continue  # options, and this checkout (".", ".[test]")
+            req = Requirement(word)
+            seen.add(req.name)
+            if req.name == "jax":
+                assert req.extras <= jax_extras, (word, sorted(jax_extras))
+            else:
+                assert (req.name, req.url) == ("v4kv_jax", REPO_URL), word
+    assert seen == {"jax", "v4kv_jax"}
+    extras = {e for words in commands for w in words if w.startswith("jax[")
+              for e in Requirement(w).extras}
+    assert extras == {"tpu", "cuda13"}
+    mentioned = set(re.findall(r"jax\[(\w+)\]", install_page()))  # prose too
+    assert mentioned == {"tpu", "cuda13", "cuda12"} and mentioned <= jax_extras
+
+
+def test_the_pip_commands_resolve_keeping_the_installed_jax():
+    """Each command with this checkout for the git URL, offline: none would replace what is
+    installed. The CUDA extras' plugins are not installed here: those commands are checked
+    for their words only."""
+    runs = set()
+    for words in pip_commands():
+        reqs = tuple(sorted("." if w.startswith("v4kv_jax @ ") else w for w in words
+                            if not w.startswith("-")))
+        if not any("cuda" in w for w in reqs):
+            runs.add(reqs)
+    assert runs == {(".",), ("jax[tpu]",), (".[test]",)}, runs
+    for reqs in sorted(runs):
+        assert would_install(*reqs) == ([] if reqs == ("jax[tpu]",) else ["v4kv_jax==0.1.0"])
