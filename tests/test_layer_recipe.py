@@ -26,16 +26,16 @@ CHUNKS = [(40, [40, 25]), (40, [12, 40]), (1, [1, 1]), (1, [0, 1])]
 
 
 def _recipe_blocks() -> list[str]:
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("### One layer on its own\n", 1)[1].split("\n#", 1)[0]
+    page = open(os.path.join(ROOT, "docs/model.md")).read()
+    section = page.split("## One layer on its own\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)\n```", section, re.S)
 
 
-def test_readme_recipe_runs_as_written():
+def test_the_model_page_recipe_runs_as_written():
     blocks = _recipe_blocks()
     assert len(blocks) == 2
     scope: dict = {}
-    exec(blocks[0], scope)  # noqa: S102 - the README's own code
+    exec(blocks[0], scope)  # noqa: S102 - the page's own code
     config, D = scope["config"], scope["config"].hidden_size
     assert scope["y"].shape == (1, 200, D) and scope["y_next"].shape == (1, 1, D)
     assert np.isfinite(np.asarray(scope["y_next"])).all()

@@ -213,19 +213,19 @@ def test_snapshot_restore_round_trip(data):
     assert_same_state(moved, 0, moved, 1)
 
 
-def test_readme_block_runs_as_written(prefilled, data):
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    section = readme.split("### Prefix sharing (device side)\n", 1)[1].split("\n## ", 1)[0]
+def test_the_prefix_page_block_runs_as_written(prefilled, data):
+    page = open(os.path.join(ROOT, "docs/prefix.md")).read()
+    section = page.split("## Prefix sharing on the device\n", 1)[1].split("\n## ", 1)[0]
     (block,) = re.findall(r"```python\n(.*?)\n```", section, re.S)
     cache, _ = run_chunks(_copy(prefilled), data, [[32]], rows=[0], slot_ids=[0],
-                          with_attention=False)  # slot 0 past the boundary, as in the README
+                          with_attention=False)  # slot 0 past the boundary, as on the page
     cache = v4.release_slot(v4.release_slot(cache, 1), 2)  # only slot 0 admitted, as there
-    one_row = dataclasses.replace(  # the README's data holds one sequence: row 0
+    one_row = dataclasses.replace(  # the page's data holds one sequence: row 0
         data, window=data.window[:, :1], q=data.q[:, :1], index_q=data.index_q[:, :1],
         index_weights=data.index_weights[:, :1],
         compressors={k: (kv[:, :1], g[:, :1]) for k, (kv, g) in data.compressors.items()})
     scope = {"v4": v4, "cache": cache, "data": one_row}
-    exec(block, scope)  # noqa: S102 - the README's own code
+    exec(block, scope)  # noqa: S102 - the page's own code
     cache = scope["cache"]
     for slot in (1, 2):
         got = v4.read_slot(cache, slot)
