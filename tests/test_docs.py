@@ -3,8 +3,8 @@
 Each page's ```python blocks run in order in one namespace (a page is one test); a block that
 needs files or objects gets them from the page's setup here, never from code hidden in the
 page. A ```text block right after a code block is that block's output: every line of it
-must be printed (for a `v4kv memory` command, by that command). The four blocks that need a
-setup of their own run in the tests named in `RUN_ELSEWHERE`. Every `v4kv` and
+must be printed (for a `v4kv memory` command, by that command). The sections whose blocks
+need a setup of their own run in the tests named in `RUN_ELSEWHERE`. Every `v4kv` and
 `python benchmarks/...` command of a ```bash block must parse, every relative link must
 point to a file and heading that exist, and every claim of equal bits outside
 docs/guarantees.md must link to it.
