@@ -36,8 +36,9 @@ from measure import write_result  # noqa: E402
 
 _MISS = re.compile(r"PERSISTENT COMPILATION CACHE MISS for '([^']+)'")
 _HIT = re.compile(r"Persistent compilation cache hit for '([^']+)'")
-# Lines whose numbers are times or rates: left out of the comparison between rounds.
-_TIMED = re.compile(r"tokens/s|ms/step| s first| s \(|seconds|\d s\b")
+# Lines whose numbers are times or rates, and the CLI's lines on compiling and on the cache:
+# left out of the comparison between rounds.
+_TIMED = re.compile(r"tokens/s|ms/step| s first| s \(|seconds|\d s\b|compil|loading the")
 
 
 def run_round(cache_dir: str) -> dict:
