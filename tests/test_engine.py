@@ -411,7 +411,7 @@ def test_one_program_serves_every_step_and_prompt_length():
     lengths = []
     for _ in range(3):
         eng2.step()
-        lengths.append([eng2._requests[r].length for r in ids])
+        lengths.append([eng2.scheduler.requests[r].length for r in ids])
     assert lengths == [[64, 36], [128, 64], [192, 100]]
 
 
@@ -603,16 +603,16 @@ def test_the_prefix_page_engine_block_runs_as_written():
 def test_a_request_the_pool_cannot_hold_yet_waits():
     """Admission reserves each running request's pages up to its full length: a request that
     does not fit stays queued (nothing changes) until pages are free. Checked on the
-    admission alone (`_admit`), without running a step of this geometry."""
+    admission alone (`Scheduler.admit`), without running a step of this geometry."""
     eng = Engine(DECODER, v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=6),
                  prefill_chunk=CHUNK)
     a = eng.add_request(BASE[:400], 100)  # 4 pages at its full length
     b = eng.add_request(BASE[1:300], 50)  # 3 pages
-    assert eng._admit(eng._requests[a])
-    assert not eng._admit(eng._requests[b])
+    assert eng.scheduler.admit(eng.scheduler.requests[a])
+    assert not eng.scheduler.admit(eng.scheduler.requests[b])
     assert eng.status(b) == "waiting" and int(eng.cache.pages.num_free) == 6
     eng.abort(a)
-    assert eng._admit(eng._requests[b])
+    assert eng.scheduler.admit(eng.scheduler.requests[b])
 
 
 # --- serving options: sampling, stops, streaming, metrics, admission ----------------------
@@ -722,7 +722,7 @@ def test_request_metrics_and_engine_metrics():
 
 
 def test_small_requests_pass_a_blocked_large_one_for_max_head_wait_steps():
-    """Admission alone (`_admit_queued`, once per step), on a pool of 6 pages: a large
+    """Admission alone (`Scheduler.admit_queued`, once per step), on a pool of 6 pages: a large
     request waiting for pages lets small ones pass twice, then admission waits for it; it
     runs as soon as the pages are free, before the small one queued behind it."""
     geometry = v4.CacheConfig(num_pages=6, max_slots=3, max_pages_per_seq=6)
@@ -732,19 +732,19 @@ def test_small_requests_pass_a_blocked_large_one_for_max_head_wait_steps():
     waiting = lambda r: eng.status(r) == "waiting"  # noqa: E731
     for step in range(2):
         small = eng.add_request(BASE[:20], 5)  # 1 page: fits
-        eng._admit_queued()
+        eng.scheduler.admit_queued()
         assert not waiting(a) and waiting(large) and not waiting(small), step
         eng.abort(small)
     blocked = eng.add_request(BASE[:20], 5)
-    eng._admit_queued()  # the large one waited 2 steps: nothing passes it now
+    eng.scheduler.admit_queued()  # the large one waited 2 steps: nothing passes it now
     assert waiting(large) and waiting(blocked)
     eng.abort(a)
-    eng._admit_queued()
+    eng.scheduler.admit_queued()
     assert not waiting(large) and not waiting(blocked)
     strict = Engine(DECODER, geometry, prefill_chunk=CHUNK, max_head_wait=0)
     ids = [strict.add_request(BASE[:400], 100), strict.add_request(BASE[1:300], 50),
            strict.add_request(BASE[:20], 5)]
-    strict._admit_queued()
+    strict.scheduler.admit_queued()
     assert [strict.status(r) == "waiting" for r in ids] == [False, True, True]
     assert engine().max_head_wait == 16
 

@@ -61,7 +61,7 @@ class Injected(RuntimeError):
 def check_host_matches_device(eng) -> None:
     lengths = np.asarray(pools.lengths(eng.cache))
     table = np.asarray(eng.cache.pages.page_table)
-    for req in eng._requests.values():
+    for req in eng.scheduler.requests.values():
         if req.slot is None:
             continue
         assert lengths[req.slot] == req.length, (req.id, lengths[req.slot], req.length)
@@ -291,7 +291,7 @@ def test_a_fault_at_any_host_side_point_leaves_every_request_exact(tmp_path, mon
     # The engine goes on afterwards: a later request hitting the same prefix is exact.
     (again,) = eng.generate([BASE[:400] + [1, 2, 3]], 4)
     assert_same(again, cold(BASE[:400] + [1, 2, 3], 4))
-    assert eng._unreleased == [] and len(eng.table) == 0
+    assert eng.scheduler.unreleased == [] and len(eng.table) == 0
 
 
 def test_a_lost_cache_stops_the_engine_with_its_outputs_and_lost_requests(tmp_path,

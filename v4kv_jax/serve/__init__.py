@@ -7,9 +7,13 @@
   request     what a request is and what it returns (`Completion`, `RequestOutput`,
               `RequestMetrics`, `StreamOutput`, `EngineError`, `EngineReport`)
   generator   `Generator`: a batch of prompts in one jitted program (prefill, then decode)
-  engine      `Engine`: continuous batching with prefix sharing, tiers and streaming
   clock       seconds the process spent compiling, and the serving clock that leaves them out
               (the Engine's request metrics)
+  shards      the Engine's `Shards`: each device's cache, slot table and prefix cache
+  batch       the Engine's step: `StepBatch`, its one program, `StepProgram` (rows in, tokens
+              out)
+  scheduler   the Engine's `Scheduler`: requests in flight, the queue, admission, placement
+  engine      `Engine`: continuous batching with prefix sharing, tiers and streaming
 
 `forward` runs the model over a chunk of tokens for given slots (`generator.forward`).
 """

@@ -42,7 +42,7 @@ from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_de
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
 from v4kv_jax.serve.manager import SlotCache, SlotFlaggedError, SlotTable
-from v4kv_jax.serve.request import Completion
+from v4kv_jax.serve.request import Completion, check_prompt
 from v4kv_jax.serve.sampling import SamplingParams, row_keys, sample
 
 STOP_IDS = 16  # the Generator's stop buffer per row: eos_id and stop_token_ids
@@ -404,21 +404,6 @@ class Generator(ModelCache):
             out[b, made[b]:] = -1
         return GenerationResult(tokens=out, lengths=made, finish_reasons=reasons,
                                 prompt_ids=prompt_ids)
-
-
-def check_prompt(name: str, prompt, vocab_size: int) -> np.ndarray:
-    """A prompt: a non-empty 1-D sequence of token ids in [0, vocab_size) (as `nn.forward`
-    checks them); returns it as int32. Raises TypeError / ValueError naming `name`."""
-    if isinstance(prompt, (str, bytes)):
-        checks.fail(name, "a 1-D sequence of token ids", prompt, TypeError)
-    p = checks.int_array(name, prompt, ndim=1)
-    if not p.size:
-        checks.fail(name, "at least one token id", "an empty sequence")
-    bad = np.flatnonzero((p < 0) | (p >= vocab_size))
-    if bad.size:
-        checks.fail(name, f"token ids in [0, {vocab_size}) (vocab_size)",
-                    f"{int(p[bad[0]])} at position {int(bad[0])}")
-    return p.astype(np.int32)
 
 
 def _forward_body(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,

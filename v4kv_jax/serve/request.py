@@ -1,16 +1,21 @@
-"""What the Engine takes and gives back: the host record of a request (`Request`), the
-finished request (`RequestOutput`, a `Completion` as the Generator's rows, with its
-`RequestMetrics`), a streamed step of one request (`StreamOutput`), the error of an engine
-that lost its cache (`EngineError`) and the memory report with prefix sharing
-(`EngineReport`)."""
+"""What the Engine takes and gives back: the host record of a request (`Request`, its
+arguments checked by `check_prompt` and `check_request`), the finished request
+(`RequestOutput`, a `Completion` as the Generator's rows, with its `RequestMetrics`; made by
+`finished_output`, counted by `ServingMetrics`), a streamed step of one request
+(`StreamOutput`), the error of an engine that lost its cache (`EngineError`) and the memory
+report with prefix sharing (`EngineReport`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
-from v4kv_jax import pools
+from v4kv_jax import checks, pools
+from v4kv_jax.config import CacheConfig
+from v4kv_jax.pools.paging import pages_for
+from v4kv_jax.serve import clock
 from v4kv_jax.serve.sampling import SamplingParams
 
 FINISH_REASONS = ("eos", "stop", "length", "aborted")
@@ -185,6 +190,114 @@ class Request:
         return "prefill" if self.length < len(self.prompt) else "decode"
 
 
+def check_prompt(name: str, prompt, vocab_size: int) -> np.ndarray:
+    """A prompt: a non-empty 1-D sequence of token ids in [0, vocab_size) (as `nn.forward`
+    checks them); returns it as int32. Raises TypeError / ValueError naming `name`."""
+    if isinstance(prompt, (str, bytes)):
+        checks.fail(name, "a 1-D sequence of token ids", prompt, TypeError)
+    p = checks.int_array(name, prompt, ndim=1)
+    if not p.size:
+        checks.fail(name, "at least one token id", "an empty sequence")
+    bad = np.flatnonzero((p < 0) | (p >= vocab_size))
+    if bad.size:
+        checks.fail(name, f"token ids in [0, {vocab_size}) (vocab_size)",
+                    f"{int(p[bad[0]])} at position {int(bad[0])}")
+    return p.astype(np.int32)
+
+
+def check_request(name: str, prompt_ids, max_new_tokens: int, options: dict, vocab_size: int,
+                  geometry: CacheConfig) -> tuple[np.ndarray, int, SamplingParams, int]:
+    """The checked arguments of an Engine request, the prompt called `name` in errors:
+    (prompt i32[n], max_new_tokens, its `SamplingParams` from `options`, the pages it holds
+    at its full length). Raises TypeError / ValueError naming the argument: a prompt longer
+    than max_seq_len names `name`, a prompt and output past it `max_new_tokens`, and a
+    request needing more pages than the whole pool holds (it could never run) says so."""
+    prompt = check_prompt(name, prompt_ids, vocab_size)
+    max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, lo=1)
+    sampling = SamplingParams(**options)
+    sampling.check_vocab(vocab_size)
+    geo = geometry
+    if prompt.size > geo.max_seq_len:
+        checks.fail(name, f"at most {geo.max_seq_len} tokens (max_seq_len)",
+                    f"{prompt.size} tokens")
+    end = prompt.size + max_new_tokens - 1
+    if end > geo.max_seq_len:
+        checks.fail("max_new_tokens", f"at most {geo.max_seq_len - prompt.size + 1} for a "
+                    f"prompt of {prompt.size} tokens (max_seq_len={geo.max_seq_len})",
+                    max_new_tokens)
+    need = pages_for(end, geo.page_tokens)
+    if need > geo.num_pages:
+        raise ValueError(
+            f"{name}, max_new_tokens: the pool is too small for this request: its "
+            f"{prompt.size} prompt tokens and {max_new_tokens} new token(s) need {need} "
+            f"pages of {geo.page_tokens} tokens, the whole pool has num_pages="
+            f"{geo.num_pages}")
+    return prompt, max_new_tokens, sampling, need
+
+
+def finished_output(req: Request, reason: str, *, keep_logits: bool,
+                    vocab_size: int) -> RequestOutput:
+    """The output of a request that ends now, with its `RequestMetrics` (durations on the
+    serving clock, `clock.serving_time`)."""
+    end, compiled = time.perf_counter(), clock.compile_seconds()
+    served, started = end - compiled, req.arrival - req.compiled  # the serving clock
+    n = len(req.generated)
+    metrics = RequestMetrics(
+        arrival_time=req.arrival,
+        queue_time=(served if req.admitted_at is None else req.admitted_at) - started,
+        ttft=None if req.first_token_at is None else req.first_token_at - started,
+        tpot=(served - req.first_token_at) / (n - 1) if n > 1 else None,
+        tokens_per_second=n / (served - started) if n else 0.0, finish_time=end,
+        prompt_tokens=len(req.prompt), cached_tokens=req.cached,
+        replayed_tokens=req.replayed, recomputed_tokens=len(req.prompt) - req.cached,
+        generated_tokens=n, compile_time=compiled - req.compiled)
+    if not keep_logits:
+        logits = None
+    elif req.logits:
+        logits = np.stack(req.logits)
+    else:
+        logits = np.zeros((0, vocab_size), np.float32)
+    return RequestOutput(
+        request_id=req.id, prompt_ids=req.prompt.tolist(), tokens=list(req.generated),
+        finish_reason=reason, cached_tokens=req.cached, replayed_tokens=req.replayed,
+        restored_by=req.restored_by, snapshot_tier=req.snapshot_tier,
+        cached_from=dict(req.cached_from), logits=logits, metrics=metrics)
+
+
+class ServingMetrics:
+    """An engine's counts over its finished requests (aborted ones included) and the seconds
+    it spent compiling: what `summary` reports.
+
+    Attributes:
+      compile_s: seconds the process spent compiling during the engine's `warmup` and steps.
+    """
+
+    MEANS = ("ttft", "tpot", "queue_time")
+
+    def __init__(self):
+        self.requests_finished = self.tokens_generated = 0
+        self.compile_s = 0.0
+        self._sums = {k: [0.0, 0] for k in self.MEANS}  # [sum, count]
+
+    def record(self, metrics: RequestMetrics) -> None:
+        """Counts a finished request."""
+        self.requests_finished += 1
+        self.tokens_generated += metrics.generated_tokens
+        for name, total in self._sums.items():
+            value = getattr(metrics, name)
+            if value is not None:
+                total[0] += value
+                total[1] += 1
+
+    def summary(self) -> dict[str, float | int | None]:
+        """requests_finished, tokens_generated, mean_ttft, mean_tpot, mean_queue_time (None
+        before any request has one) and compile_s."""
+        return {"requests_finished": self.requests_finished,
+                "tokens_generated": self.tokens_generated,
+                **{f"mean_{k}": s / n if n else None for k, (s, n) in self._sums.items()},
+                "compile_s": self.compile_s}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineReport:
     """The cache's `pools.MemoryReport` and what prefix sharing adds to it.
@@ -251,4 +364,5 @@ class EngineReport:
 
 
 __all__ = ["FINISH_REASONS", "Completion", "EngineError", "EngineReport", "Request",
-           "RequestMetrics", "RequestOutput", "StreamOutput"]
+           "RequestMetrics", "RequestOutput", "ServingMetrics", "StreamOutput", "check_prompt",
+           "check_request", "finished_output"]

@@ -1,0 +1,271 @@
+"""The Engine's step: its batch (`StepBatch`), its one program (`_step`: replay, prefill and
+decode rows, then sampling) and `StepProgram`, which builds a step's batch from the running
+requests, runs the program and applies its tokens to the requests.
+
+A batch has one row per slot of every shard, in every phase (slot id -1 where a slot sits the
+phase out; a phase with no row is skipped by `lax.cond`), so every step and every prompt
+length runs the same compiled program:
+
+  replay   state-only rows (`Decoder.replay`): rebuild a hit's State before its boundary
+  prefill  chunk rows of `prefill_chunk` tokens, within `token_budget` tokens a step and
+           shard (replay rows included); a chunk never crosses a multiple of `prefill_chunk`,
+           so every page boundary is the end of a chunk
+  decode   one token of every request that has finished its prompt
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+
+from v4kv_jax import checks, pools, programs
+from v4kv_jax import mesh as meshes
+from v4kv_jax.config import CacheConfig, Options
+from v4kv_jax.pools import Cache
+from v4kv_jax.serve import clock
+from v4kv_jax.serve.manager import PoolExhaustedError, SlotFlaggedError
+from v4kv_jax.serve.request import Request
+from v4kv_jax.serve.sampling import row_keys, sample
+from v4kv_jax.serve.shards import Shards
+
+
+@struct.dataclass
+class StepBatch:
+    """The rows of one step, one per slot (slot id -1 where the slot sits the phase out).
+
+    replay_*: state-only rows, tokens i32[S, C] of positions replay_start ...; prefill_*:
+    chunk rows i32[S, C]; decode_*: i32[S, 1]; each with slot ids i32[S] and counts i32[S].
+    key: u32[S, 2] each slot's sampling stream, draw: i32[S] the index of the token it draws
+    (its key is fold_in(key, draw)), temperature, top_k, top_p, min_p: f32/i32/f32/f32[S] its
+    options (`v4kv_jax.serve.sampling`).
+    """
+
+    replay_tokens: jax.Array
+    replay_slots: jax.Array
+    replay_start: jax.Array
+    replay_n: jax.Array
+    prefill_tokens: jax.Array
+    prefill_slots: jax.Array
+    prefill_n: jax.Array
+    decode_tokens: jax.Array
+    decode_slots: jax.Array
+    decode_n: jax.Array
+    key: jax.Array
+    draw: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+
+
+def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBatch):
+    """(cache, next i32[S], logits f32[S, V]): replay, prefill and decode rows in that order;
+    row s's logits are those of its prefill chunk's last token or of its decode token, its
+    token drawn by `sampling.sample` with its key and options.
+
+    With a `mesh`, every shard runs this on its own cache and rows (the batch's rows are the
+    shards' rows end to end, each shard's slot ids its own); params are replicated.
+    """
+    if mesh is not None:
+        per_shard = functools.partial(_step, graphdef, options, None)
+        return meshes.shard_program(
+            per_shard, mesh, (meshes.P(), meshes.CACHE, meshes.P(meshes.DATA)),
+            (meshes.CACHE, meshes.P(meshes.DATA), meshes.P(meshes.DATA)))(
+                params, cache, batch)
+    model = nnx.merge(graphdef, params)
+    S, V = batch.draw.shape[0], model.config.vocab_size
+    rows = jnp.arange(S)
+    none = jnp.zeros((S, V), jnp.float32)
+
+    def replay(cache):
+        return model.replay(batch.replay_tokens, cache, batch.replay_slots, batch.replay_start,
+                            batch.replay_n, options=options)
+
+    cache = jax.lax.cond(jnp.any(batch.replay_n > 0), replay, lambda c: c, cache)
+
+    def prefill(cache):
+        cache, h = model.hidden(batch.prefill_tokens, cache, batch.prefill_slots,
+                                batch.prefill_n, options=options)
+        last = h[rows, jnp.clip(batch.prefill_n - 1, 0, h.shape[1] - 1)]
+        return cache, model.logits(last)
+
+    cache, prefill_logits = jax.lax.cond(jnp.any(batch.prefill_n > 0), prefill,
+                                         lambda c: (c, none), cache)
+
+    def decode(cache):
+        cache, h = model.hidden(batch.decode_tokens, cache, batch.decode_slots, batch.decode_n,
+                                options=options)
+        return cache, model.logits(h[:, 0])
+
+    cache, decode_logits = jax.lax.cond(jnp.any(batch.decode_n > 0), decode,
+                                        lambda c: (c, none), cache)
+    logits = jnp.where((batch.prefill_n > 0)[:, None], prefill_logits, decode_logits)
+    nxt = sample(logits, row_keys(batch.key, batch.draw), batch.temperature, batch.top_k,
+                 batch.top_p, batch.min_p)
+    return cache, nxt, logits
+
+
+_step_jit = programs.program("engine.step", _step, donate=("cache",),
+                             static=("graphdef", "options", "mesh"))
+
+
+def compiled_step_programs() -> int:
+    """How many step programs the engines of this process have compiled (one per model
+    structure, geometry and options: every step and every prompt length share it)."""
+    return _step_jit.traces
+
+
+class StepProgram:
+    """An Engine's step program and its fixed settings (checked here, errors naming them).
+
+    Args:
+      graphdef, params: the split model (params replicated over `mesh` here).
+      options: how the ops run.
+      mesh: the engine's mesh (None: one device).
+      geometry: the geometry of a shard.
+      shards: shards of the whole mesh (every process's).
+      prefill_chunk: tokens per prefill row and step; divides page_tokens.
+      token_budget: replay + prefill tokens per step and shard (None: max_slots *
+        prefill_chunk).
+      keep_logits: fetch every row's logits.
+    """
+
+    def __init__(self, graphdef, params, options: Options, mesh: meshes.Mesh | None,
+                 geometry: CacheConfig, *, shards: int, prefill_chunk: int,
+                 token_budget: int | None, keep_logits: bool):
+        P = geometry.page_tokens
+        prefill_chunk = checks.integer("prefill_chunk", prefill_chunk, lo=1)
+        if P % prefill_chunk:
+            checks.fail("prefill_chunk", f"a divisor of page_tokens={P}", prefill_chunk)
+        if token_budget is None:
+            token_budget = geometry.max_slots * prefill_chunk
+        self.token_budget = checks.integer("token_budget", token_budget, lo=1)
+        if not isinstance(keep_logits, bool):
+            checks.fail("keep_logits", "a bool", repr(keep_logits), TypeError)
+        self.prefill_chunk, self.keep_logits = prefill_chunk, keep_logits
+        self.graphdef, self.options, self.mesh = graphdef, options, mesh
+        self.params = params if mesh is None else jax.device_put(params,
+                                                                 meshes.replicated(mesh))
+        self.max_slots, self.shards = geometry.max_slots, shards
+
+    def row(self, req: Request) -> int:
+        """A running request's row in the batch (shard index * max_slots + slot)."""
+        return req.shard * self.max_slots + req.slot
+
+    def batch(self, running: list[Request]) -> tuple[StepBatch, dict[int, tuple[str, int]]]:
+        """The step's rows (host arrays, every shard's), and request id -> (phase, tokens)
+        for each request with work. Row `row(req)` is the request's; its slot ids are local
+        to its shard. Every process computes the same batch from the same requests."""
+        S, C = self.max_slots * self.shards, self.prefill_chunk
+        rows = {name: np.full((S,) + shape, fill, np.int32) for name, shape, fill in (
+            ("replay_tokens", (C,), 0), ("replay_slots", (), -1), ("replay_start", (), 0),
+            ("replay_n", (), 0), ("prefill_tokens", (C,), 0), ("prefill_slots", (), -1),
+            ("prefill_n", (), 0), ("decode_tokens", (1,), 0), ("decode_slots", (), -1),
+            ("decode_n", (), 0), ("draw", (), 0), ("top_k", (), 0))}
+        keys = np.zeros((S, 2), np.uint32)
+        reals = {name: np.full((S,), fill, np.float32) for name, fill in (
+            ("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0))}
+        budget = dict.fromkeys(range(self.shards), self.token_budget)  # per shard
+        work = {}
+        for req in running:
+            s, phase = self.row(req), req.phase()
+            keys[s], rows["draw"][s] = req.key, len(req.generated)
+            rows["top_k"][s] = req.sampling.top_k
+            for name in reals:
+                reals[name][s] = getattr(req.sampling, name)
+            if phase == "decode":
+                rows["decode_slots"][s], rows["decode_n"][s] = req.slot, 1
+                rows["decode_tokens"][s, 0] = req.tokens[req.length]
+                work[req.id] = (phase, 1)
+                continue
+            at, end = ((req.replay_at, req.replay_end) if phase == "replay"
+                       else (req.length, len(req.prompt)))
+            n = min(C - at % C, end - at, budget[req.shard])
+            if n <= 0:
+                continue
+            budget[req.shard] -= n
+            rows[f"{phase}_slots"][s], rows[f"{phase}_n"][s] = req.slot, n
+            rows[f"{phase}_tokens"][s, :n] = req.tokens[at:at + n]
+            if phase == "replay":
+                rows["replay_start"][s] = at
+            work[req.id] = (phase, n)
+        return StepBatch(**rows, **reals, key=keys), work
+
+    def run(self, cache: Cache, batch: StepBatch
+            ) -> tuple[dict[int, Cache], np.ndarray, np.ndarray | None]:
+        """Runs the program on `cache` (donated; the global cache with a mesh) and `batch`
+        (host arrays): (shard index -> its new cache, for this process's shards; next tokens
+        i32[S]; logits f32[S, V] with `keep_logits`, else None), fetched to the host. A
+        device failure surfaces here, before any host state changes."""
+        if self.mesh is None:
+            cache, nxt, logits = _step_jit(self.graphdef, self.options, None, self.params,
+                                           cache, jax.tree.map(jnp.asarray, batch))
+            caches = {0: cache}
+        else:
+            rows = meshes.by_shard(self.mesh)
+            cache, nxt, logits = _step_jit(self.graphdef, self.options, self.mesh,
+                                           self.params, cache,
+                                           jax.tree.map(lambda x: meshes.put(x, rows), batch))
+            caches = meshes.split(cache, self.mesh)
+        return caches, meshes.fetch(nxt), meshes.fetch(logits) if self.keep_logits else None
+
+    def step(self, shards: Shards, running: list[Request]) -> tuple[
+            list[tuple[Request, str]], list[tuple[Request, str]], dict[int, np.ndarray],
+            PoolExhaustedError | SlotFlaggedError | None]:
+        """Runs one step of the `running` requests on `shards` and records their progress
+        (`advance`): (finished requests with their reason, requests that appended tokens
+        with their phase, shard index -> its page table after the step, the error of the
+        slots the step flagged or None)."""
+        batch, work = self.batch(running)
+        caches, nxt, logits = self.run(shards.cache, batch)
+        tables = {i: np.asarray(pools.page_table(cache)) for i, cache in caches.items()}
+        flags, flag_error = shards.commit(caches, running)
+        finished, advanced = self.advance(running, work, set(flags), nxt, logits,
+                                          clock.serving_time())
+        return finished, advanced, tables, flag_error
+
+    def warmup(self, shards: Shards) -> None:
+        """Runs the program once on no rows (compiling it; the caches do not change)."""
+        shards.set_caches(self.run(shards.cache, self.batch([])[0])[0])
+
+    def advance(self, running: list[Request], work: dict[int, tuple[str, int]],
+                flagged: set[int], nxt: np.ndarray, logits: np.ndarray | None, now: float
+                ) -> tuple[list[tuple[Request, str]], list[tuple[Request, str]]]:
+        """Records every request's progress in the step, as the device has it (nothing here
+        can fail): replayed and appended tokens, the drawn token of each row that ended its
+        prompt or decoded (`now`: the serving clock, for a first token). A `flagged` request
+        appended nothing. Returns (finished requests with their finish reason, requests that
+        appended tokens with the phase they ran)."""
+        finished, advanced = [], []
+        for req in running:
+            if req.id not in work or req.id in flagged:
+                continue
+            phase, n = work[req.id]
+            if phase == "replay":
+                req.replay_at += n
+                continue
+            req.length += n
+            advanced.append((req, phase))
+            if phase == "prefill" and req.length < len(req.prompt):
+                continue
+            row = self.row(req)
+            token = int(nxt[row])
+            req.generated.append(token)
+            req.tokens.append(token)
+            if req.first_token_at is None:
+                req.first_token_at = now
+            if logits is not None:
+                req.logits.append(logits[row].copy())
+            reason = req.sampling.finish(req.generated)
+            if reason is not None:
+                finished.append((req, reason))
+            elif len(req.generated) == req.max_new_tokens:
+                finished.append((req, "length"))
+        return finished, advanced
+
+
+__all__ = ["StepBatch", "StepProgram", "compiled_step_programs"]
