@@ -11,7 +11,7 @@ chooses between them and hands the kernels plain arrays (RoPE comes in as a per-
 frequency row), so kernels import nothing from `v4kv_jax`. Tests check each kernel against
 the reference in interpret mode on CPU (tests/kernels) and lower each one for TPU and GPU.
 
-The Triton (GPU) variants were compiled and timed on one NVIDIA H200 (README, "On a GPU"),
+The Triton (GPU) variants were compiled and timed on one NVIDIA H200 (docs/performance.md),
 where they are slower than XLA's fusion of the reference; the Mosaic (TPU) variants have only
 been lowered, never run on a TPU: interpret mode checks their numbers and control flow (DMAs,
 semaphores, page-table reads) and lowering checks that Mosaic accepts every op, but its layout

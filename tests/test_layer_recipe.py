@@ -1,5 +1,5 @@
-"""One V4Attention layer on its own (`V4Attention.step`): README's recipe runs as written, the
-helper computes what the Decoder's layers compute, and bad calls name the argument."""
+"""One V4Attention layer on its own (`V4Attention.step`): docs/model.md's recipe runs as
+written, the helper computes what the Decoder's layers compute, and bad calls name the argument."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from flax import nnx
 import v4kv_jax as v4
 from v4kv_jax import interop
 from v4kv_jax.config import LayerKind
-from v4kv_jax.nn import Decoder, ModelConfig, V4Attention, forward
+from v4kv_jax.nn import Decoder, ModelConfig, V4Attention
 from v4kv_jax.ops.compressor import rms_norm
+from v4kv_jax.serve import forward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = v4.tiny(index_heads=16)  # SWA, then (CSA, HCA) x 2; enough indexer heads for no ties

@@ -96,7 +96,7 @@ def test_subset_decode_equals_full_decode_for_the_named_requests():
     got = _decode(part, ["c", "a"])  # 2 rows, in the order named
     assert got.shape == (MODEL.num_layers, 2, 1, MODEL.num_heads, MODEL.head_dim)
     # Batches of 3 and 2 run different programs (buckets 3 and 2), which XLA vectorises
-    # differently: the chunking bound of README's "Errors and guarantees" holds (outputs
+    # differently: the chunking bound of docs/guarantees.md holds (outputs
     # within 16 ulp, entries within 8), the rest of the state is bit for bit.
     assert _ulps(got[:, 0], want[:, 2]) <= 16
     assert _ulps(got[:, 1], want[:, 0]) <= 16

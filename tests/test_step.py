@@ -174,7 +174,7 @@ def test_decode_equals_prefill_equals_any_chunking(length, sizes, seed):
         chex.assert_trees_all_close(_logical(chunked, 0, length), _logical(other, 0, length),
                                     atol=1e-6, rtol=0)
     # Outputs: the stated chunking bound, 16 ulp of the largest output magnitude
-    # (README "Errors and guarantees"; tests/test_chunking_bound.py).
+    # (docs/guarantees.md; tests/test_chunking_bound.py).
     bound = 16 * np.spacing(np.float32(np.abs(out_decoded).max()))
     np.testing.assert_allclose(out_chunked, out_decoded, atol=bound, rtol=0)
 
