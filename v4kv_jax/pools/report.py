@@ -202,8 +202,9 @@ class MemoryReport:
     def format(self) -> str:
         per_tok = ", ".join(f"{k} {v:.1f} B" for k, v in self.classical_bytes_per_token.items())
         if self.entry_bytes:
-            held = (f"holding {self.entry_bytes:,} B of entries (x{self.allocation_overhead:.3f}"
-                    ", partly filled last pages)")
+            waste = ", partly filled last pages" if self.allocated_bytes > self.entry_bytes else ""
+            held = (f"holding {self.entry_bytes:,} B of entries "
+                    f"(x{self.allocation_overhead:.3f}{waste})")
         else:
             held = "holding no complete entry yet"
         lines = [
