@@ -379,7 +379,7 @@ def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window,
 def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base, stored):
     """The reference read of a chunk whose window keys are `keys` [B, K, sw] at positions
     base .. base + K - 1: (out, picks, hot rows). With a hot set, the CSA queries are made
-    resident and read `hot.group_size` at a time, in position order."""
+    resident `hot.group_size` at a time, in position order, and read at once."""
 
     def attend(q, pos, picks, stored):
         return attention.attend(model, geometry, options, kind, layer=stored.layer,
@@ -398,17 +398,13 @@ def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, ba
         rows, stored = make_resident(geometry, picks, q_pos, stored)
         return attend(queries.q, q_pos, rows, stored), picks, None
 
-    group = hot_set.group_size(model, geometry)
-    wanted = jnp.where((q_pos < kv_end[:, None])[..., None], picks, -1)  # padding: nothing
-    q_g, pos_g, picks_g = _grouped(group, (queries.q, q_pos, wanted), (0.0, None, -1))
-
-    def one_group(hot, args):
-        q, pos, picked = args
-        rows, read_from = make_resident(geometry, picked, pos, stored.replace(hot=hot))
-        return read_from.hot, attend(q, pos, rows, read_from)
-
-    hot, out = jax.lax.scan(one_group, stored.hot, (q_g, pos_g, picks_g))
-    return _ungrouped(out, q_pos.shape[1]), picks, hot
+    # Made resident `group_size` queries at a time, then read at once: the pool read's bits.
+    entries, page_rows, ids, hot = hot_set.resident_chunk(
+        picks, q_pos, kv_end, stored.hot, stored.entries, stored.layer, stored.page_rows,
+        hot_set.group_size(model, geometry), host=geometry.c4_tier == "host")
+    read_from = stored.replace(layer=jnp.zeros((), jnp.int32), page_rows=page_rows,
+                               entries=entries, hot=hot)
+    return attend(queries.q, q_pos, ids, read_from), picks, hot
 
 
 def _grouped(size: int, arrays, fills):

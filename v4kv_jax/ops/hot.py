@@ -9,7 +9,11 @@ the indexer's order, so outputs are the bits of a read from the pool.
 
 A group of queries is made resident at once when its picks fit: G = H // index_topk
 queries pick at most G * k <= H distinct entries, so no pick of the group evicts another
-(`group_size`). A prefill chunk is read G queries at a time, in position order.
+(`group_size`). A prefill chunk is made resident G queries at a time, in position order,
+each query's picked rows copied out as its group holds them (`resident_chunk`); the chunk
+is then read at once, by the operations of a read from the pool on the same shapes, so that
+XLA sums every product in the same order (a read G queries at a time is a product of other
+shapes, which XLA:CPU may sum in another order: outputs then differ in the last bits).
 
 Rows are reused least recently used first, the clock being 1 + the position of the last
 query that picked the row (`used`; 0: never). `held` is the entry id + 1 (0: empty), so a
@@ -115,6 +119,49 @@ def _fetch(entries: jax.Array, layer, page_rows: jax.Array, fetch: jax.Array, ho
     return jax.lax.fori_loop(0, needed, block, out)[:, :n]
 
 
+def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: HotSet,
+                   entries: jax.Array, layer, page_rows: jax.Array, group: int, *,
+                   host: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, HotSet]:
+    """A chunk's picks made resident `group` queries at a time, in position order, and each
+    query's picked rows copied out while its group holds them: (entries [1, B * T * k, 1,
+    sw], page_rows i32[B, T * k], ids i32[B, T, k], the new `HotSet`).
+
+    The three are a pool of one entry per page that a sparse read of the whole chunk reads
+    with `ids` where it would read the pool with `picks`: the same rows in the same columns,
+    absent (page -1) where the pool has no page, and -1 exactly where `picks` is, so the
+    read reads the same prefix of the picks' columns. Arguments as `resident`, with picks
+    i32[B, T, k] and q_pos i32[B, T] of the chunk's queries and kv_end i32[B]; a query at or
+    past kv_end (padding) makes nothing resident and reads no entry.
+    """
+    batch, tokens, k = picks.shape
+    wanted = jnp.where((q_pos < kv_end[:, None])[..., None], picks, -1)
+    n = -(-tokens // group)
+    pad = n * group - tokens
+
+    def grouped(x, fill):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), mode="edge"
+                    ) if fill is None else jnp.pad(
+                        x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return x.reshape(batch, n, group, *x.shape[2:]).swapaxes(0, 1)
+
+    def one_group(hot, args):
+        pos, picked = args
+        rows, hot = resident(picked, pos, hot, entries, layer, page_rows, host=host)
+        held, held_rows = as_pages(hot)
+        return hot, paging.gather_entries(held, 0, held_rows, rows)
+
+    hot, (keys, present) = jax.lax.scan(one_group, hot, (grouped(q_pos, None),
+                                                         grouped(wanted, -1)))
+    keys = keys.swapaxes(0, 1).reshape(batch, n * group, k, -1)[:, :tokens]
+    present = present.swapaxes(0, 1).reshape(batch, n * group, k)[:, :tokens]
+    column = jnp.arange(tokens * k, dtype=jnp.int32)
+    pool_rows = jnp.where(present.reshape(batch, -1),
+                          jnp.arange(batch, dtype=jnp.int32)[:, None] * (tokens * k) + column,
+                          -1)
+    ids = jnp.where(picks >= 0, column.reshape(tokens, k), -1)
+    return keys.reshape(1, batch * tokens * k, 1, -1), pool_rows, ids, hot
+
+
 def as_pages(hot: HotSet) -> tuple[jax.Array, jax.Array]:
     """The hot rows as a pool a sparse read takes: (entries [1, B, H, sw], one page per row,
     page_rows i32[B, 1]): hot row h of row b is entry h of page b."""
@@ -122,4 +169,4 @@ def as_pages(hot: HotSet) -> tuple[jax.Array, jax.Array]:
     return hot.rows[None], jnp.arange(batch, dtype=jnp.int32)[:, None]
 
 
-__all__ = ["as_pages", "group_size", "resident"]
+__all__ = ["as_pages", "group_size", "resident", "resident_chunk"]
