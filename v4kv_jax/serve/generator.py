@@ -41,7 +41,7 @@ from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
 from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
-from v4kv_jax.serve.manager import SlotCache, SlotFlaggedError, SlotTable
+from v4kv_jax.serve.manager import SlotCache, SlotFlaggedError, slot_tables
 from v4kv_jax.serve.request import Completion, check_prompt
 from v4kv_jax.serve.sampling import SamplingParams, row_keys, sample
 
@@ -218,8 +218,7 @@ class Generator(ModelCache):
             self.tables = {0: self.table}
             return
         self.cache = meshes.init_cache(model, geometry, self.mesh)
-        self.tables = {i: SlotTable(geometry.max_slots)
-                       for i in meshes.split(self.cache, self.mesh)}
+        self.tables = slot_tables(geometry, self.mesh)
         self.table = None  # one per shard: `tables`
 
     @property

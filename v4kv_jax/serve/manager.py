@@ -5,7 +5,9 @@ module is the one place that turns those flags into exceptions naming the reques
 one place that keeps which request holds which slot. Every host object is a `SlotCache`:
 
   SlotTable     request -> slot; admission into the lowest free slot, release, the checks
-                of a call's request list, and `flag_error` (a slot's flag -> exception)
+                of a call's request list, and `flag_error` (a slot's flag -> exception);
+                `slot_tables` makes the tables of every shard of a geometry and mesh (the
+                one place tables are made, for every host object)
   SlotCache     the base: one cache, its SlotTable, the options; lengths, inspection and
                 the memory report
   CacheManager  a SlotCache, vectors in: one checked call per prefill chunk or decode step,
@@ -28,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from v4kv_jax import checks, pools, programs, step
+from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
 from v4kv_jax.pools import Cache, SlotStatus
 from v4kv_jax.pools.paging import pages_for
@@ -251,6 +254,16 @@ class SlotTable:
                                   noun=noun)
 
 
+def slot_tables(geometry: CacheConfig, mesh: meshes.Mesh | None = None
+                ) -> dict[int, SlotTable]:
+    """shard index -> a new `SlotTable` of `geometry.max_slots` slots, for each shard of
+    `mesh` this process holds (the shards `mesh.split` gives); {0: table} without a mesh.
+    Every host object (`SlotCache`, the Generator, the Engine) takes its tables here."""
+    mine = [0] if mesh is None else [i for i, device in enumerate(meshes.shard_devices(mesh))
+                                     if device.process_index == jax.process_index()]
+    return {i: SlotTable(geometry.max_slots) for i in mine}
+
+
 # --- the manager ------------------------------------------------------------------------------
 
 
@@ -276,7 +289,7 @@ class SlotCache:
     def _init_pools(self, model: AttentionConfig, geometry: CacheConfig) -> None:
         """Makes `cache` and `table` (a subclass may hold them otherwise)."""
         self.cache = pools.init_cache(model, geometry)
-        self.table = SlotTable(geometry.max_slots)
+        (self.table,) = slot_tables(geometry).values()
 
     @property
     def attn_config(self) -> AttentionConfig:

@@ -23,7 +23,7 @@ from v4kv_jax.config import AttentionConfig, CacheConfig
 from v4kv_jax.pools import Cache
 from v4kv_jax.prefix import tiers as page_tiers
 from v4kv_jax.prefix.cache import PrefixCache
-from v4kv_jax.serve.manager import PoolExhaustedError, SlotFlaggedError, SlotTable
+from v4kv_jax.serve.manager import PoolExhaustedError, SlotFlaggedError, SlotTable, slot_tables
 from v4kv_jax.serve.request import EngineReport, Request
 
 
@@ -60,8 +60,8 @@ class Shards(Sequence[Shard]):
         self.mesh = mesh
         caches = ({0: pools.init_cache(model, geometry)} if mesh is None else
                   meshes.split(meshes.init_cache(model, geometry, mesh), mesh))
-        self._shards = [Shard(i, cache, SlotTable(geometry.max_slots))
-                        for i, cache in caches.items()]
+        tables = slot_tables(geometry, mesh)
+        self._shards = [Shard(i, cache, tables[i]) for i, cache in caches.items()]
         self._by_index = {s.index: s for s in self._shards}
         self.owners = [0] if mesh is None else [meshes.owner(mesh, i) for i in range(mesh.size)]
 
