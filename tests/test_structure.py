@@ -156,3 +156,44 @@ def test_each_reference_op_and_its_kernels_share_a_name(op):
 def test_a_removed_name_says_where_its_job_went(module, name, new_place):
     with pytest.raises(AttributeError, match=re.escape(new_place)):
         getattr(importlib.import_module(f"v4kv_jax.{module}"), name)
+
+
+MODULE_LINES, CLASS_LINES = 600, 400  # one idea per module, one object per class
+
+
+def test_no_module_is_over_600_lines_and_no_class_over_400():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        text = path.read_text()
+        if len(text.splitlines()) > MODULE_LINES:
+            long.append(f"{rel}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES:
+                long.append(f"{rel}: class {node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long == []
+
+
+def _calls(path: pathlib.Path, name: str) -> int:
+    """How many calls of `name` (a bare or dotted name) a file makes."""
+    return sum(isinstance(node, ast.Call) and (
+        isinstance(node.func, ast.Name) and node.func.id == name
+        or isinstance(node.func, ast.Attribute) and node.func.attr == name)
+        for node in ast.walk(ast.parse(path.read_text())))
+
+
+def test_slot_tables_are_made_in_one_module():
+    """`manager.slot_tables` makes the tables of every shard, for the SlotCache, the
+    Generator and the Engine alike."""
+    makers = [p.relative_to(PACKAGE).as_posix() for p in sorted(PACKAGE.rglob("*.py"))
+              if _calls(p, "SlotTable")]
+    assert makers == ["serve/manager.py"]
+    assert _calls(PACKAGE / "serve" / "manager.py", "SlotTable") == 1
+
+
+def test_every_package_folder_has_an_init_with_a_docstring():
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    for folder in sorted(folders):
+        init = folder / "__init__.py"
+        assert init.exists(), folder
+        assert ast.get_docstring(ast.parse(init.read_text())), init
