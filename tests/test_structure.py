@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "v4kv_jax"
 
 # Lowest first: a module may import only modules before it (and the package's own children).
-ORDER = ["checks", "config", "programs", "targets", "pools", "vectors", "rope", "mesh", "ops",
+ORDER = ["checks", "config", "rope", "programs", "targets", "pools", "vectors", "mesh", "ops",
          "append", "step", "prefix", "nn", "serve", "interop", "testing", "cli"]
 
 

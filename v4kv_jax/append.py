@@ -13,6 +13,8 @@
   end_append     advance the lengths
 
 One mechanism serves decode (T = 1) and prefill (any T, any start length, any chunking).
+What the configs fix (row codecs, compressor specs, RoPE tables, page geometry) is read from
+the `layout.CacheLayout` the cache carries (`cache.layout`) and handed to the ops.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from flax import struct
 from v4kv_jax import checks, ops, pools
 from v4kv_jax.config import Options
 from v4kv_jax.ops import compressor as comp
-from v4kv_jax.pools import Cache, SlotStatus, paging, storage
+from v4kv_jax.pools import Cache, SlotStatus, paging
 from v4kv_jax.pools.layout import CompressorSpec
 from v4kv_jax.vectors import CompressorInput, CompressorParams, CompressorWeights, TokenVectors
 
@@ -244,7 +246,7 @@ def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.
     row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
     stored = pools.window_ring(cache)
     ring = stored.at[layers[:, None, None], plan.slot_ids[None, :, None], row[None]].set(
-        pools.codec(cache, "window").encode(window), mode="drop")
+        cache.layout.rows["window"].encode(window), mode="drop")
     return pools.with_window_ring(cache, ring)
 
 
@@ -257,16 +259,16 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     With a state-only plan (`replay_plan`) only the tails are written: no entry is emitted.
     The HCA compressor with hca_tail="online" folds the chunk into its `pools.OnlineTail`
     (`ops.emit_entries_online`) instead of writing ring rows."""
-    model, geo = cache.attn_config, cache.geometry
+    model, geo, fixed = cache.attn_config, cache.geometry, cache.layout
     tokens = inputs.kv.shape[2]
     positions = plan.positions(tokens)
     kv = inputs.kv.astype(jnp.float32)
     gate = jax.vmap(lambda g, ape: comp.biased_gate(spec, g, ape, positions))(inputs.gate,
                                                                               params.ape)
     tail = pools.tail(cache, spec)
-    if pools.online_tail(geo, spec):
+    if spec.name in fixed.online:
         pool, tail = ops.emit_entries_online(
-            spec, model, geo, options,
+            spec, model, geo, options, layout=fixed,
             pool=None if plan.state_only else pools.entries(cache, spec),
             page_rows=pools.page_rows(cache, plan.slot_ids), layers=layers, tail=tail,
             slot_ids=plan.slot_ids, kv=kv, gate=gate, start=plan.start, n_new=plan.n_new,
@@ -276,7 +278,7 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
         return pools.with_tail(cache, spec, tail)
     if not plan.state_only:
         pool = ops.emit_entries(
-            spec, model, geo, options, pool=pools.entries(cache, spec),
+            spec, model, geo, options, layout=fixed, pool=pools.entries(cache, spec),
             page_rows=pools.page_rows(cache, plan.slot_ids), layers=layers, tail_kv=tail.kv,
             tail_gate=tail.gate, slot_ids=read_slots(cache, plan.slot_ids), kv=kv, gate=gate,
             start=plan.start, n_new=plan.n_new, norm=params.norm)
@@ -286,21 +288,20 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
 
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
-    new_tail = tail.replace(
-        kv=tail.kv.at[idx].set(storage.encode(kv, tail.kv), mode="drop"),
-        gate=tail.gate.at[idx].set(storage.encode(gate, tail.gate), mode="drop"),
-    )
+    rows = fixed.tail_rows[spec.name]
+    new_tail = tail.replace(kv=tail.kv.at[idx].set(rows.encode(kv), mode="drop"),
+                            gate=tail.gate.at[idx].set(rows.encode(gate), mode="drop"))
     return pools.with_tail(cache, spec, new_tail)
 
 
 def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
                   weights: CompressorWeights, options: Options | None = None) -> Cache:
     """Appends the planned tokens to every layer."""
-    model = cache.attn_config
-    cache = write_window(cache, plan, jnp.arange(model.num_layers, dtype=jnp.int32),
+    fixed = cache.layout
+    cache = write_window(cache, plan, jnp.arange(fixed.model.num_layers, dtype=jnp.int32),
                          vectors.window)
-    for spec in cache.specs:
-        n = len(model.layers_of(spec.kind))
+    for spec in fixed.specs:
+        n = len(fixed.layers[spec.kind])
         if n:
             cache = append_compressor(cache, plan, spec, jnp.arange(n, dtype=jnp.int32),
                                       vectors.compressor(spec.name),

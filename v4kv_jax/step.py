@@ -33,7 +33,6 @@ from v4kv_jax.append import AppendPlan, read_slots
 from v4kv_jax.config import LayerKind, Options
 from v4kv_jax.config import options_or_default as _options
 from v4kv_jax.pools import Cache, SlotStatus
-from v4kv_jax.pools.layout import specs_of
 from v4kv_jax.vectors import CompressorWeights, LayerRef, Queries, TokenVectors
 
 
@@ -54,10 +53,15 @@ def _read(cache: Cache, ref: LayerRef, queries: Queries, slot_ids: jax.Array,
     else:
         stored = ops.Stored(ref.kind_layer, rows)
     out, picks, hot = ops.read(ref.kind, cache.attn_config, cache.geometry, options, queries,
-                               q_pos=q_pos, kv_end=kv_end, window=window, stored=stored)
+                               q_pos=q_pos, kv_end=kv_end, window=window, stored=stored,
+                               layout=cache.layout)
     if hot is not None:
         cache = pools.with_hot_rows(cache, ref.kind_layer, slot_ids, hot)
     return cache, out, picks
+
+
+# The `LayerVectors` / `LayerParams` field of each compressor of a layer.
+_FIELDS = {"csa": "compressor", "csa_index": "index_compressor", "hca": "compressor"}
 
 
 def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
@@ -72,16 +76,13 @@ def _check_layer_inputs(cache: Cache, plan: AppendPlan, ref: LayerRef,
     tokens = vectors.window.shape[1]
     _float_field("vectors.window", vectors.window, (batch, tokens, model.head_dim))
     check_queries(cache, ref, queries, batch, tokens)
-    specs = {s.name: s for s in cache.specs}
-    needed = {LayerKind.CSA: (("compressor", "csa"), ("index_compressor", "csa_index")),
-              LayerKind.HCA: (("compressor", "hca"),), LayerKind.SWA: ()}[ref.kind]
-    for field, name in needed:
-        spec = specs[name]
+    for spec in cache.layout.kind_specs[ref.kind]:
+        field = _FIELDS[spec.name]
         inp, p = getattr(vectors, field), getattr(params, field)
         if inp is None or p is None:
             checks.fail(f"vectors.{field} / params.{field}",
-                        f"the {name} compressor's inputs and params of a {ref.kind.name} layer",
-                        None)
+                        f"the {spec.name} compressor's inputs and params of a "
+                        f"{ref.kind.name} layer", None)
         _float_field(f"vectors.{field}.kv", inp.kv, (batch, tokens, spec.in_width))
         _float_field(f"vectors.{field}.gate", inp.gate, (batch, tokens, spec.in_width))
         _float_field(f"params.{field}.ape", p.ape, (spec.ratio, spec.in_width))
@@ -110,7 +111,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
       layer (-1 = unused pick), None otherwise).
     """
     options = _options(options)
-    model = cache.attn_config
+    fixed = cache.layout
     _check_layer_inputs(cache, plan, ref, vectors, queries, params)
     tokens = vectors.window.shape[1]
     slots = read_slots(cache, plan.slot_ids)
@@ -120,11 +121,8 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
         old_ring = pools.window_ring(cache)[ref.layer, slots]
         new_window = append.after(new_window, old_ring)
     cache = append.write_window(cache, plan, ref.layer[None], new_window[None])
-    per_kind = {"csa": (vectors.compressor, params.compressor),
-                "csa_index": (vectors.index_compressor, params.index_compressor),
-                "hca": (vectors.compressor, params.compressor)}
-    for spec in specs_of(model, ref.kind):
-        inp, p = per_kind[spec.name]
+    for spec in fixed.kind_specs[ref.kind]:
+        inp, p = getattr(vectors, _FIELDS[spec.name]), getattr(params, _FIELDS[spec.name])
         cache = append.append_compressor(
             cache, plan, spec, ref.kind_layer[None], jax.tree.map(lambda x: x[None], inp),
             jax.tree.map(lambda x: x[None], p), options)
@@ -134,8 +132,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
         window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], plan.end)
         q_pos = (plan.end - 1)[:, None]
     else:
-        window = ops.WindowKeys(old_ring, plan.start,
-                                pools.codec(cache, "window").encode(vectors.window))
+        window = ops.WindowKeys(old_ring, plan.start, fixed.rows["window"].encode(vectors.window))
         q_pos = plan.positions(tokens)
     cache, out, picks = _read(cache, ref, queries, plan.slot_ids, window, q_pos, plan.end,
                               options)
@@ -274,8 +271,8 @@ def check_vectors(cache: Cache, vectors: TokenVectors, batch: int, tokens: int) 
     model = cache.attn_config
     _float_field("vectors.window", vectors.window,
                  (model.num_layers, batch, tokens, model.head_dim))
-    for spec in cache.specs:
-        n = len(model.layers_of(spec.kind))
+    for spec in cache.layout.specs:
+        n = len(cache.layout.layers[spec.kind])
         inp = vectors.compressor(spec.name)
         for field in ("kv", "gate"):
             _float_field(f"vectors.{spec.name}.{field}", getattr(inp, field),
@@ -284,9 +281,8 @@ def check_vectors(cache: Cache, vectors: TokenVectors, batch: int, tokens: int) 
 
 def check_weights(cache: Cache, weights: CompressorWeights) -> None:
     """Raises naming the compressor param whose shape does not match the config."""
-    model = cache.attn_config
-    for spec in cache.specs:
-        n = len(model.layers_of(spec.kind))
+    for spec in cache.layout.specs:
+        n = len(cache.layout.layers[spec.kind])
         params = getattr(weights, spec.name)
         _float_field(f"weights.{spec.name}.ape", params.ape, (n, spec.ratio, spec.in_width))
         _float_field(f"weights.{spec.name}.norm", params.norm, (n, spec.width))

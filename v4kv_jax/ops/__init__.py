@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import checks, pools, rope
+from v4kv_jax import checks, pools
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -73,8 +73,8 @@ from v4kv_jax.ops.choice import (
     supported,
     unchecked,
 )
-from v4kv_jax.pools import storage
-from v4kv_jax.pools.layout import CompressorSpec
+from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
+from v4kv_jax.pools.layout import of as layout_of
 from v4kv_jax.vectors import Queries
 
 
@@ -88,58 +88,70 @@ def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
 # --- the ops with a kernel ---------------------------------------------------------------------
 
 
+def _layout(model: AttentionConfig, geometry: CacheConfig,
+            layout: CacheLayout | None) -> CacheLayout:
+    """The `CacheLayout` a caller handed down (a cache's `cache.layout`), else the configs'."""
+    return layout_of(model, geometry) if layout is None else layout
+
+
 def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
-                 options: Options | None = None, *, pool: jax.Array, page_rows: jax.Array,
-                 layers: jax.Array, tail_kv: jax.Array, tail_gate: jax.Array,
-                 slot_ids: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
-                 n_new: jax.Array, norm: jax.Array) -> jax.Array:
+                 options: Options | None = None, *, layout: CacheLayout | None = None,
+                 pool: jax.Array, page_rows: jax.Array, layers: jax.Array, tail_kv: jax.Array,
+                 tail_gate: jax.Array, slot_ids: jax.Array, kv: jax.Array, gate: jax.Array,
+                 start: jax.Array, n_new: jax.Array, norm: jax.Array) -> jax.Array:
     """Entries of every block the chunk completes, written into the pool (in place under
-    donation). Arguments as `compressor.emit_entries`; returns the updated pool.
+    donation). Arguments as `compressor.emit_entries`, and `layout`, what the configs fix
+    (`cache.layout`; None: derived from them); returns the updated pool.
 
     The Pallas kernels alias the pool to their output and donate it: called outside jit,
     the `pool` passed in is consumed (use the returned one). A pool in host memory (C4
     entries with c4_tier="host") is written by the reference, which writes there.
     """
+    fixed = _layout(model, geometry, layout)
     arrays = dict(pool=pool, page_rows=page_rows, layers=layers, tail_kv=tail_kv,
                   tail_gate=tail_gate, slot_ids=slot_ids, kv=kv, gate=gate, start=start,
                   n_new=n_new, norm=norm)
     def reference():
-        return compressor.emit_entries(spec, model, geometry, **arrays)
+        return compressor.emit_entries(spec, fixed, **arrays)
 
-    if pools.on_host(geometry, spec):
+    if spec.name in fixed.host:
         return reference()
-    codec = storage.codec(model, geometry, spec.name)
+    codec = fixed.rows[spec.name]
     return _dispatch("emit_entries", model, geometry, options, reference, lambda kernel, choice:
-                     kernel(*arrays.values(), rope.inv_frequencies(model, spec.kind),
+                     kernel(*arrays.values(), fixed.inv_freq[spec.kind],
                             ratio=spec.ratio, overlap=spec.overlap, eps=model.rms_eps,
                             block_sizes=choice.block_sizes, interpret=choice.interpret,
                             entry_format=codec.fmt, rope_dim=codec.rope_dim), spec)
 
 
 def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
-                        options: Options | None = None, *, pool: jax.Array | None,
+                        options: Options | None = None, *,
+                        layout: CacheLayout | None = None, pool: jax.Array | None,
                         page_rows: jax.Array, layers: jax.Array, tail: pools.OnlineTail,
                         slot_ids: jax.Array, kv: jax.Array, gate: jax.Array, start: jax.Array,
                         n_new: jax.Array, norm: jax.Array
                         ) -> tuple[jax.Array | None, pools.OnlineTail]:
     """The HCA compressor with hca_tail="online": folds the chunk into the online tails and
     writes the entry of every block it completes (`compressor.emit_entries_online`; layout
-    and update rule in the `pools` docstring). Returns (pool or None, `pools.OnlineTail`).
+    and update rule in the `pools` docstring; `layout` as `emit_entries`). Returns (pool or
+    None, `pools.OnlineTail`).
 
     The Pallas kernels alias the pool and the tails to their outputs and donate them: called
     outside jit, the arrays passed in are consumed (use the returned ones). They run one
     program per layer and row: there is nothing to tile, so no block sizes.
     """
+    fixed = _layout(model, geometry, layout)
+
     def reference():
         return compressor.emit_entries_online(
-            spec, model, geometry, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
+            spec, fixed, pool=pool, page_rows=page_rows, layers=layers, tail=tail,
             slot_ids=slot_ids, kv=kv, gate=gate, start=start, n_new=n_new, norm=norm)
 
     def run_kernel(kernel, choice):
-        codec = storage.codec(model, geometry, spec.name)
+        codec = fixed.rows[spec.name]
         out, state = kernel(pool, page_rows, layers, tail.max, tail.sum, tail.weighted,
                             slot_ids, kv, gate, start, n_new, norm,
-                            rope.inv_frequencies(model, spec.kind), ratio=spec.ratio,
+                            fixed.inv_freq[spec.kind], ratio=spec.ratio,
                             eps=model.rms_eps, interpret=choice.interpret,
                             entry_format=codec.fmt, rope_dim=codec.rope_dim)
         return out, pools.OnlineTail(*state)
@@ -149,8 +161,9 @@ def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: 
 
 
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options | None = None,
-                 *, index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
-                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array) -> jax.Array:
+                 *, layout: CacheLayout | None = None, index_keys: jax.Array, layer,
+                 page_rows: jax.Array, index_q: jax.Array, index_weights: jax.Array,
+                 q_pos: jax.Array, kv_end: jax.Array) -> jax.Array:
     """f32[B, capacity]: indexer scores of one query per slot, -inf where not a candidate.
 
     Entries i < min((q_pos + 1) // m, kv_end // m) on present pages are candidates.
@@ -161,14 +174,16 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
       page_rows: i32[B, max_pages_per_seq].
       index_q: f32[B, nI, c] (RoPE per head); index_weights: f32[B, nI] raw head weights.
       q_pos, kv_end: i32[B].
+      layout: as `emit_entries`.
 
     The query is prepared for the keys' format first (`indexer.prepare_index_query`: for
     fp4_index keys rotated and fake-quantised like them), for every implementation.
     """
+    fixed = _layout(model, geometry, layout)
     index_q = indexer.prepare_index_query(geometry, index_q)
     def reference():
         return indexer.index_scores(
-            model, geometry, _options(options), index_keys=index_keys, layer=layer,
+            model, geometry, _options(options), layout=fixed, index_keys=index_keys, layer=layer,
             page_rows=page_rows, index_q=index_q[:, None], index_weights=index_weights[:, None],
             q_pos=q_pos[:, None], kv_end=kv_end)[:, 0]
 
@@ -199,32 +214,38 @@ def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options |
 
 
 def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig,
-                            options: Options | None = None, *, q: jax.Array, sink: jax.Array,
+                            options: Options | None = None, *,
+                            layout: CacheLayout | None = None, q: jax.Array, sink: jax.Array,
                             window: jax.Array, window_layer, slot_ids: jax.Array,
                             q_pos: jax.Array, kv_end: jax.Array, c4: jax.Array, c4_layer,
                             page_rows: jax.Array, picks: jax.Array) -> jax.Array:
-    """CSA decode attention of one query per slot (`attention.sparse_decode_attention`)."""
+    """CSA decode attention of one query per slot (`attention.sparse_decode_attention`;
+    `layout` as `emit_entries`)."""
+    inv_freq = _layout(model, geometry, layout).inv_freq[LayerKind.CSA]
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4, c4_layer, page_rows,
             picks)
     return _dispatch(
         "sparse_decode_attention", model, geometry, options,
         lambda: attention.sparse_decode_attention(model, geometry, _options(options), *args),
-        lambda kernel, choice: kernel(*args, rope.inv_frequencies(model, LayerKind.CSA),
+        lambda kernel, choice: kernel(*args, inv_freq,
                                       block_sizes=choice.block_sizes, interpret=choice.interpret,
                                       **_read_formats(model, geometry)))
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
-                           options: Options | None = None, *, q: jax.Array, sink: jax.Array,
+                           options: Options | None = None, *,
+                           layout: CacheLayout | None = None, q: jax.Array, sink: jax.Array,
                            window: jax.Array, window_layer, slot_ids: jax.Array,
                            q_pos: jax.Array, kv_end: jax.Array, c128: jax.Array, c128_layer,
                            page_rows: jax.Array) -> jax.Array:
-    """HCA decode attention of one query per slot (`attention.dense_decode_attention`)."""
+    """HCA decode attention of one query per slot (`attention.dense_decode_attention`;
+    `layout` as `emit_entries`)."""
+    inv_freq = _layout(model, geometry, layout).inv_freq[LayerKind.HCA]
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)
     return _dispatch(
         "dense_decode_attention", model, geometry, options,
         lambda: attention.dense_decode_attention(model, geometry, _options(options), *args),
-        lambda kernel, choice: kernel(*args, rope.inv_frequencies(model, LayerKind.HCA),
+        lambda kernel, choice: kernel(*args, inv_freq,
                                       ratio=model.hca_ratio, block_sizes=choice.block_sizes,
                                       interpret=choice.interpret,
                                       **_read_formats(model, geometry)))
@@ -294,7 +315,8 @@ def make_resident(geometry: CacheConfig, picks: jax.Array, q_pos: jax.Array, sto
 
 def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
          options: Options | None, queries: Queries, *, q_pos: jax.Array, kv_end: jax.Array,
-         window: WindowKeys, stored: Stored) -> tuple[jax.Array, jax.Array | None]:
+         window: WindowKeys, stored: Stored, layout: CacheLayout | None = None
+         ) -> tuple[jax.Array, jax.Array | None]:
     """One layer's attention for a chunk of queries: the only read of a layer.
 
     Args:
@@ -306,6 +328,7 @@ def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
         never read (padded queries stay finite).
       window: the window keys (`WindowKeys`).
       stored: the layer's stored entries (`Stored`).
+      layout: what the configs fix (`cache.layout`; None: derived from them).
 
     Returns:
       (f32[B, T, H, hd] de-rotated, the CSA picks i32[B, T, k] or None, the rows' new hot
@@ -314,11 +337,13 @@ def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
       longer chunk runs the reference, `options.query_tile` queries at a time.
     """
     options = _options(options)
+    fixed = _layout(model, geometry, layout)
     _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored)
     if kind != LayerKind.SWA and queries.q.shape[1] == 1 and window.chunk is None:
-        return _read_decode(kind, model, geometry, options, queries, q_pos[:, 0], kv_end,
-                            window, stored)
-    return _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored)
+        return _read_decode(kind, model, geometry, options, fixed, queries, q_pos[:, 0],
+                            kv_end, window, stored)
+    return _read_tiles(kind, model, geometry, options, fixed, queries, q_pos, kv_end, window,
+                       stored)
 
 
 def _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored) -> None:
@@ -354,29 +379,32 @@ def _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored) -
                     "layer", None)
 
 
-def _read_decode(kind, model, geometry, options, queries, q_pos, kv_end, window, stored):
+def _read_decode(kind, model, geometry, options, fixed, queries, q_pos, kv_end, window,
+                 stored):
     """One query per row: the ops with kernels. The rows' rings are handed to them as a
     ring of one layer whose slot b is row b."""
     common = dict(q=queries.q[:, 0], sink=queries.sink, window=window.ring[None],
                   window_layer=0, slot_ids=jnp.arange(q_pos.shape[0], dtype=jnp.int32),
                   q_pos=q_pos, kv_end=kv_end)
     if kind == LayerKind.HCA:
-        out = dense_decode_attention(model, geometry, options, c128=stored.entries,
+        out = dense_decode_attention(model, geometry, options, layout=fixed,
+                                     c128=stored.entries,
                                      c128_layer=stored.layer, page_rows=stored.page_rows,
                                      **common)
         return out[:, None], None, None
-    picks = index_topk(model, geometry, options, index_keys=stored.index_keys,
+    picks = index_topk(model, geometry, options, layout=fixed, index_keys=stored.index_keys,
                        layer=stored.layer, page_rows=stored.page_rows,
                        index_q=queries.index_q[:, 0], index_weights=queries.index_weights[:, 0],
                        q_pos=q_pos, kv_end=kv_end)
     rows, stored = make_resident(geometry, picks[:, None], q_pos[:, None], stored)
-    out = sparse_decode_attention(model, geometry, options, c4=stored.entries,
+    out = sparse_decode_attention(model, geometry, options, layout=fixed, c4=stored.entries,
                                   c4_layer=stored.layer, page_rows=stored.page_rows,
                                   picks=rows[:, 0], **common)
     return out[:, None], picks[:, None], stored.hot
 
 
-def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base, stored):
+def _read_chunk(kind, model, geometry, options, fixed, queries, q_pos, kv_end, keys, base,
+                stored):
     """The reference read of a chunk whose window keys are `keys` [B, K, sw] at positions
     base .. base + K - 1: (out, picks, hot rows). With a hot set, the CSA queries are made
     resident `hot.group_size` at a time, in position order, and read at once."""
@@ -390,7 +418,8 @@ def _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, ba
 
     if kind != LayerKind.CSA:
         return attend(queries.q, q_pos, None, stored), None, None
-    picks = indexer.index_topk(model, geometry, options, index_keys=stored.index_keys,
+    picks = indexer.index_topk(model, geometry, options, layout=fixed,
+                               index_keys=stored.index_keys,
                                layer=stored.layer, page_rows=stored.page_rows,
                                index_q=indexer.prepare_index_query(geometry, queries.index_q),
                                index_weights=queries.index_weights, q_pos=q_pos, kv_end=kv_end)
@@ -426,7 +455,8 @@ def _ungrouped(x: jax.Array, tokens: int) -> jax.Array:
     return x.swapaxes(0, 1).reshape(x.shape[1], -1, *x.shape[3:])[:, :tokens]
 
 
-def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, stored):
+def _read_tiles(kind, model, geometry, options, fixed, queries, q_pos, kv_end, window,
+                stored):
     """A chunk of queries, `options.query_tile` at a time (bounds memory, not results): each
     tile reads the W keys before its first query and its own."""
     W = model.window
@@ -438,8 +468,8 @@ def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, 
     tile = min(options.query_tile, tokens)
     n_tiles = -(-tokens // tile)
     if n_tiles == 1:
-        return _read_chunk(kind, model, geometry, options, queries, q_pos, kv_end, keys, base,
-                           stored)
+        return _read_chunk(kind, model, geometry, options, fixed, queries, q_pos, kv_end, keys,
+                           base, stored)
 
     pad = n_tiles * tile - tokens
     keys = jnp.pad(keys, ((0, 0), (0, pad), (0, 0)))
@@ -449,7 +479,7 @@ def _read_tiles(kind, model, geometry, options, queries, q_pos, kv_end, window, 
     def one_tile(hot, args):
         i, q_tile, pos_tile = args
         tile_keys = jax.lax.dynamic_slice_in_dim(keys, i * tile, W + tile, axis=1)
-        out, picks, hot = _read_chunk(kind, model, geometry, options,
+        out, picks, hot = _read_chunk(kind, model, geometry, options, fixed,
                                       q_tile.replace(sink=queries.sink), pos_tile, kv_end,
                                       tile_keys, base + i * tile, stored.replace(hot=hot))
         return hot, (out, picks)

@@ -20,7 +20,8 @@ HCA tail"); the entry of a block is RoPE(RMSNorm(weighted / sum)).
 
 Entries are written in the pool's format: pooled, normed and rotated in fp32, then encoded
 by the pool's `storage.RowCodec` (fp8_latent quantises the non-RoPE dims, fp4_index rotates
-by the Hadamard matrix and quantises: the official order).
+by the Hadamard matrix and quantises: the official order). The emissions take the codecs, the
+RoPE tables and the page geometry from the `layout.CacheLayout` handed to them.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from v4kv_jax import pools, rope
-from v4kv_jax.config import AttentionConfig, CacheConfig
-from v4kv_jax.pools import paging, storage
-from v4kv_jax.pools.layout import CompressorSpec
+from v4kv_jax.config import AttentionConfig
+from v4kv_jax.pools import paging
+from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -56,9 +57,10 @@ def tail_writes(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens
     Only the last `ring` tokens of a chunk are written, so every kept row is written once.
     Returns i32[B, T].
     """
+    ring = spec.ring
     j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
-    keep = (j < n_new[:, None]) & (j >= n_new[:, None] - spec.ring)
-    return jnp.where(keep, (start[:, None] + j) % spec.ring, spec.ring)
+    keep = (j < n_new[:, None]) & (j >= n_new[:, None] - ring)
+    return jnp.where(keep, (start[:, None] + j) % ring, ring)
 
 
 def completed_blocks(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens: int
@@ -126,8 +128,8 @@ def _over_layers(fn, sequential: bool, *xs):
     return jax.vmap(fn)(*xs)
 
 
-def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig, *,
-                 pool: jax.Array, page_rows: jax.Array, layers: jax.Array, tail_kv: jax.Array,
+def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: jax.Array,
+                 page_rows: jax.Array, layers: jax.Array, tail_kv: jax.Array,
                  tail_gate: jax.Array, slot_ids: jax.Array, kv: jax.Array, gate: jax.Array,
                  start: jax.Array, n_new: jax.Array, norm: jax.Array) -> jax.Array:
     """Pools every block the chunk completes and writes each entry into its page and row.
@@ -135,6 +137,8 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
     Blocks whose page is absent are dropped (nothing else is written).
 
     Args:
+      layout: what the configs fix (`cache.layout`): the pool's row codec, the kind's RoPE
+        table, entries per page.
       pool: the compressor's Classical array [n_kind, num_pages, P // m, width].
       page_rows: i32[B, max_pages_per_seq] of the batch's slots.
       layers: i32[n] indices into the kind's stack.
@@ -150,10 +154,12 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
     tokens = kv.shape[2]
     block, done = completed_blocks(spec, start, n_new, tokens)
 
+    config, inv_freq = layout.model, layout.inv_freq[spec.kind]
+    tail_rows = layout.tail_rows[spec.name]
+
     def emit():
-        old_kv = storage.decode(tail_kv[layers[:, None], slot_ids[None, :]])
-        old_gate = storage.decode(tail_gate[layers[:, None], slot_ids[None, :]])
-        inv_freq = rope.inv_frequencies(config, spec.kind)
+        old_kv = tail_rows.decode(tail_kv[layers[:, None], slot_ids[None, :]])
+        old_gate = tail_rows.decode(tail_gate[layers[:, None], slot_ids[None, :]])
 
         def one_layer(tkv, tgate, ckv, cgate, weight):
             return pool_blocks(spec, config, tkv, tgate, ckv, cgate, start, block, weight,
@@ -164,19 +170,19 @@ def emit_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheC
     entries = jax.lax.cond(
         jnp.any(done), emit,
         lambda: jnp.zeros((layers.shape[0], *block.shape, spec.width), jnp.float32))
-    return write_entries(spec, config, geometry, pool, page_rows, layers, block, done, entries)
+    return write_entries(spec, layout, pool, page_rows, layers, block, done, entries)
 
 
-def write_entries(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig,
-                  pool: jax.Array, page_rows: jax.Array, layers: jax.Array, block: jax.Array,
-                  done: jax.Array, entries: jax.Array) -> jax.Array:
+def write_entries(spec: CompressorSpec, layout: CacheLayout, pool: jax.Array,
+                  page_rows: jax.Array, layers: jax.Array, block: jax.Array, done: jax.Array,
+                  entries: jax.Array) -> jax.Array:
     """Encodes f32 entries [n, B, nb, width] of blocks `block` i32[B, nb] in the pool's
     format and writes those marked `done` into their page and row (absent pages: dropped)."""
     page, row = paging.entry_pages(page_rows, jnp.where(done, block, -1),
-                                   geometry.entries_per_page(spec.ratio))
-    stored = storage.codec(config, geometry, spec.name).encode(entries)
+                                   layout.entries_per_page[spec.name])
+    stored = layout.rows[spec.name].encode(entries)
     return pools.put_rows(pool, layers[:, None, None], page[None], row[None], stored,
-                          host=pools.on_host(geometry, spec))
+                          host=spec.name in layout.host)
 
 
 def _rounded(x: jax.Array) -> jax.Array:
@@ -255,8 +261,8 @@ def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Arr
     return new_state, u / s, block, done
 
 
-def emit_entries_online(spec: CompressorSpec, config: AttentionConfig, geometry: CacheConfig,
-                        *, pool: jax.Array | None, page_rows: jax.Array, layers: jax.Array,
+def emit_entries_online(spec: CompressorSpec, layout: CacheLayout, *,
+                        pool: jax.Array | None, page_rows: jax.Array, layers: jax.Array,
                         tail: pools.OnlineTail, slot_ids: jax.Array, kv: jax.Array,
                         gate: jax.Array, start: jax.Array, n_new: jax.Array,
                         norm: jax.Array) -> tuple[jax.Array | None, pools.OnlineTail]:
@@ -264,6 +270,8 @@ def emit_entries_online(spec: CompressorSpec, config: AttentionConfig, geometry:
     completes (hca_tail="online"; `online_fold`).
 
     Args:
+      layout: what the configs fix (`cache.layout`): the row codecs of the pool and the
+        tails, the RoPE table, entries per page.
       pool: the C128 entries [n_hca, num_pages, P // m', sw(width)], or None to update the
         tails only (a state-only replay).
       page_rows: i32[B, max_pages_per_seq] of the batch's slots.
@@ -280,10 +288,10 @@ def emit_entries_online(spec: CompressorSpec, config: AttentionConfig, geometry:
     """
     S = tail.max.shape[1]
     read = jnp.clip(slot_ids, 0, S - 1)
-    codec = storage.tail_codec(geometry, spec.width)
+    codec = layout.tail_rows[spec.name]
     state = tuple(codec.decode(x[layers[:, None], read[None, :]]) for x in
                   (tail.max, tail.sum, tail.weighted))
-    inv_freq = rope.inv_frequencies(config, spec.kind)
+    config, inv_freq = layout.model, layout.inv_freq[spec.kind]
 
     def one_layer(mx, s, u, ckv, cgate, weight):
         new_state, pooled, block, done = online_fold(spec, (mx, s, u), ckv, cgate, start, n_new)
@@ -294,8 +302,7 @@ def emit_entries_online(spec: CompressorSpec, config: AttentionConfig, geometry:
     new_state, entries = _over_layers(one_layer, False, *state, kv, gate, norm)
     if pool is not None:
         block, done = touched_blocks(spec, start, n_new, kv.shape[2])
-        pool = write_entries(spec, config, geometry, pool, page_rows, layers, block, done,
-                             entries)
+        pool = write_entries(spec, layout, pool, page_rows, layers, block, done, entries)
     dest = jnp.where((slot_ids >= 0) & (slot_ids < S) & (n_new > 0), slot_ids, S)
     new_tail = pools.OnlineTail(*(
         x.at[layers[:, None], dest[None, :]].set(codec.encode(v), mode="drop")

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
 from v4kv_jax.pools import paging, storage
-from v4kv_jax.pools.layout import visible_entries
+from v4kv_jax.pools.layout import CacheLayout, visible_entries
+from v4kv_jax.pools.layout import of as layout_of
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -88,7 +89,8 @@ def score_capacity(model: AttentionConfig, geometry: CacheConfig, options: Optio
 
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
                  index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
-                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array) -> jax.Array:
+                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
+                 layout: CacheLayout | None = None) -> jax.Array:
     """f32[B, T, capacity]: indexer score of every entry id, -inf where not a candidate.
 
     Scores of the used pages are written chunk by chunk into the row (the loop runs over used
@@ -102,14 +104,17 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
         f32[B, T, nI].
       q_pos: i32[B, T] query positions; kv_end: i32[B] tokens appended (entries beyond are
         never read).
+      layout: what the configs fix (`cache.layout`: the keys' row codec, entries per page);
+        None: derived from them.
     """
+    fixed = layout_of(model, geometry) if layout is None else layout
     m = model.csa_ratio
-    epp = geometry.entries_per_page(m)
+    epp = fixed.entries_per_page["csa_index"]
     chunk_pages = options.read_chunk_pages(geometry, options.index_read_entries, m)
     batch, tokens = q_pos.shape
     visible = visible_entries(q_pos, kv_end, m)
     capacity = score_capacity(model, geometry, options, page_rows.shape[1])
-    codec = storage.codec(model, geometry, "csa_index")
+    codec = fixed.rows["csa_index"]
 
     def body(buf, page_ids, first):
         keys, present = paging.gather_pages(index_keys, layer, page_ids)

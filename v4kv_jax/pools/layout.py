@@ -10,16 +10,27 @@ Three compressors per model, one Classical array stack each (SPEC sections 3 and
 Entry i of a kind pools tokens i*m .. i*m+m-1 (with overlap also the m tokens before them);
 query t may read entry i iff i < (t + 1) // m (`visible_entries`). The tail of a slot is a
 ring of `ring = coff * m` rows indexed by position mod ring.
+
+What a model and a cache config fix together (the compressors, each stored row's codec, the
+RoPE tables, page geometry, where the entries live) is derived once per pair of configs,
+`of(model, geometry)`: a `CacheLayout`, which a `Cache` carries (`cache.layout`) and the
+write and read paths hand down to the ops, instead of each floor deriving it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax import checks, rope
+from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
+from v4kv_jax.pools import storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +77,96 @@ def num_layers(config: AttentionConfig, spec: CompressorSpec) -> int:
     return len(config.layers_of(spec.kind))
 
 
+def entries_on_host(geometry: CacheConfig, name: str) -> bool:
+    """Whether compressor `name`'s entries live in host memory (the C4 entries with
+    c4_tier="host"); every other array lives on the device."""
+    return name == "csa" and geometry.c4_tier == "host"
+
+
+def keeps_online_tail(geometry: CacheConfig, name: str) -> bool:
+    """Whether compressor `name` keeps an online tail (the HCA compressor with
+    hca_tail="online") rather than a raw ring."""
+    return name == "hca" and geometry.hca_tail == "online"
+
+
+def _frozen(mapping: dict) -> Mapping:
+    return types.MappingProxyType(mapping)
+
+
+def _derived():
+    return dataclasses.field(init=False, compare=False, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """What a model and a cache config fix, derived once (`of`): equal and hashed as the two
+    configs are, so it is a static value under jit like them.
+
+    Attributes:
+      model, geometry: the two configs.
+      specs: the compressors (`compressor_specs`); `kind_specs[kind]` those of a layer kind
+        (`specs_of`), `layers[kind]` the global indices of the kind's layers.
+      rows: the `storage.RowCodec` of each stored row kind (`storage.codec`): "csa" C4
+        entries, "csa_index" indexer keys, "hca" C128 entries, "window" the window ring.
+      tail_rows: the `RowCodec` of each compressor's tail rows (`storage.tail_codec`): ring
+        rows of in_width, or width for an online tail.
+      inv_freq: f32[rope_dim // 2] RoPE frequencies per layer kind (`rope.inv_frequencies`).
+      entries_per_page: P // m of each compressor.
+      host: the compressors whose entries live in host memory (`entries_on_host`).
+      online: the compressors that keep an online tail (`keeps_online_tail`).
+
+    Raises ValueError naming the `CacheConfig` field whose format the model's rows do not fit
+    (`storage.codec`)."""
+
+    model: AttentionConfig
+    geometry: CacheConfig
+    specs: tuple[CompressorSpec, ...] = _derived()
+    kind_specs: Mapping[LayerKind, tuple[CompressorSpec, ...]] = _derived()
+    layers: Mapping[LayerKind, tuple[int, ...]] = _derived()
+    rows: Mapping[str, storage.RowCodec] = _derived()
+    tail_rows: Mapping[str, storage.RowCodec] = _derived()
+    inv_freq: Mapping[LayerKind, np.ndarray] = _derived()
+    entries_per_page: Mapping[str, int] = _derived()
+    host: frozenset[str] = _derived()
+    online: frozenset[str] = _derived()
+
+    def __post_init__(self):
+        model, geometry = self.model, self.geometry
+        specs = compressor_specs(model)
+        online = frozenset(s.name for s in specs if keeps_online_tail(geometry, s.name))
+        derived = dict(
+            specs=specs,
+            kind_specs=_frozen({k: tuple(s for s in specs if s.kind == k) for k in LayerKind}),
+            layers=_frozen({k: model.layers_of(k) for k in LayerKind}),
+            rows=_frozen({name: storage.codec(model, geometry, name)
+                          for name in storage.FORMAT_FIELDS}),
+            tail_rows=_frozen({s.name: storage.tail_codec(
+                geometry, s.width if s.name in online else s.in_width) for s in specs}),
+            inv_freq=_frozen({k: rope.inv_frequencies(model, k) for k in LayerKind}),
+            entries_per_page=_frozen({s.name: geometry.entries_per_page(s.ratio)
+                                      for s in specs}),
+            host=frozenset(s.name for s in specs if entries_on_host(geometry, s.name)),
+            online=online,
+        )
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    def __reduce__(self):
+        # Pickled and copied as its two configs: the copy derives the rest again.
+        return of, (self.model, self.geometry)
+
+    def codec(self, name: str) -> storage.RowCodec:
+        """The row codec of a stored array by name ("csa", "csa_index", "hca", "window")."""
+        checks.one_of("name", name, tuple(self.rows))
+        return self.rows[name]
+
+
+@functools.cache
+def of(model: AttentionConfig, geometry: CacheConfig) -> CacheLayout:
+    """The `CacheLayout` of a model and a cache config, derived once per pair."""
+    return CacheLayout(model, geometry)
+
+
 def visible_entries(q_pos: jax.Array, kv_end: jax.Array, ratio: int) -> jax.Array:
     """i32[B, T]: entries query t may read, min((t+1) // m, entries written so far).
 
@@ -74,5 +175,5 @@ def visible_entries(q_pos: jax.Array, kv_end: jax.Array, ratio: int) -> jax.Arra
     return jnp.minimum((q_pos + 1) // ratio, (kv_end // ratio)[:, None])
 
 
-__all__ = ["CompressorSpec", "compressor_specs", "num_layers", "specs_of",
-           "visible_entries"]
+__all__ = ["CacheLayout", "CompressorSpec", "compressor_specs", "entries_on_host",
+           "keeps_online_tail", "num_layers", "of", "specs_of", "visible_entries"]

@@ -11,8 +11,8 @@ from flax import struct
 
 from v4kv_jax import programs
 from v4kv_jax.config import AttentionConfig, CacheConfig
-from v4kv_jax.pools import paging, storage
-from v4kv_jax.pools.layout import CompressorSpec, compressor_specs
+from v4kv_jax.pools import layout, paging, storage
+from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
 
 
 class SlotStatus(enum.IntEnum):
@@ -113,15 +113,25 @@ class StatePool:
 
 @struct.dataclass
 class Cache:
+    """The two pools (`v4kv_jax.pools`). Static: the two configs and `layout`, what they fix
+    (`layout.CacheLayout`: the compressors, row codecs, RoPE tables, page geometry), derived
+    once (`layout.of`) and carried here so that the code a cache passes through reads it
+    rather than deriving it again."""
+
     classical: ClassicalPool
     pages: paging.PageState
     state: StatePool
     attn_config: AttentionConfig = struct.field(pytree_node=False)
     geometry: CacheConfig = struct.field(pytree_node=False)
+    layout: CacheLayout | None = struct.field(pytree_node=False, default=None)
+
+    def __post_init__(self):
+        if self.layout is None:
+            object.__setattr__(self, "layout", layout.of(self.attn_config, self.geometry))
 
     @property
     def specs(self) -> tuple[CompressorSpec, ...]:
-        return compressor_specs(self.attn_config)
+        return self.layout.specs
 
 
 # --- accessors: the only code that reaches pool storage by field name ----------------------
@@ -190,12 +200,12 @@ def with_hot_rows(cache: Cache, layer, slot_ids: jax.Array, value: HotSet) -> Ca
 def on_host(geometry: CacheConfig, spec: CompressorSpec) -> bool:
     """Whether compressor `spec`'s entries live in host memory (the C4 entries with
     c4_tier="host"); every other array lives on the device."""
-    return _spec(spec) == "csa" and geometry.c4_tier == "host"
+    return layout.entries_on_host(geometry, _spec(spec))
 
 
-def _placed(geometry: CacheConfig, spec: CompressorSpec, value: jax.Array) -> jax.Array:
+def _placed(fixed: CacheLayout, spec: CompressorSpec, value: jax.Array) -> jax.Array:
     """`value` in the memory space of compressor `spec`'s entries."""
-    return jax.device_put(value, jax.memory.Space.Host) if on_host(geometry, spec) else value
+    return jax.device_put(value, jax.memory.Space.Host) if spec.name in fixed.host else value
 
 
 def entries(cache: Cache, spec: CompressorSpec) -> jax.Array:
@@ -207,7 +217,7 @@ def entries(cache: Cache, spec: CompressorSpec) -> jax.Array:
 
 def with_entries(cache: Cache, spec: CompressorSpec, value: jax.Array) -> Cache:
     store, field = _ENTRIES[_spec(spec)]
-    value = _placed(cache.geometry, spec, value)
+    value = _placed(cache.layout, spec, value)
     kind = getattr(cache.classical, store).replace(**{field: value})
     return cache.replace(classical=cache.classical.replace(**{store: kind}))
 
@@ -240,12 +250,12 @@ def with_tail(cache: Cache, spec: CompressorSpec, value: Tail | OnlineTail) -> C
 def online_tail(geometry: CacheConfig, spec: CompressorSpec) -> bool:
     """Whether compressor `spec` keeps an `OnlineTail` (the HCA compressor with
     hca_tail="online") rather than a raw `Tail` ring."""
-    return _spec(spec) == "hca" and geometry.hca_tail == "online"
+    return layout.keeps_online_tail(geometry, _spec(spec))
 
 
 def codec(cache: Cache, name: str) -> storage.RowCodec:
     """The row format of a stored array: "csa", "csa_index", "hca" entries or "window"."""
-    return storage.codec(cache.attn_config, cache.geometry, name)
+    return cache.layout.codec(name)
 
 
 def lengths(cache: Cache) -> jax.Array:
@@ -308,12 +318,13 @@ def shard_axes(cache: Cache) -> Cache:
         state=jax.tree.map(lambda _: 1, cache.state).replace(lengths=0, status=0))
 
 
-def _empty_hot_set(model: AttentionConfig, geometry: CacheConfig) -> HotSet | None:
+def _empty_hot_set(fixed: CacheLayout) -> HotSet | None:
+    model, geometry = fixed.model, fixed.geometry
     rows_per_slot = geometry.hot_set_rows(model)
     if not rows_per_slot:
         return None
     shape = (model.num_csa, geometry.max_slots, rows_per_slot)
-    rows = storage.codec(model, geometry, "csa")
+    rows = fixed.rows["csa"]
     return HotSet(rows=jnp.zeros((*shape, rows.stored_width), rows.dtype),
                   held=jnp.zeros(shape, jnp.int32), used=jnp.zeros(shape, jnp.int32))
 
@@ -321,15 +332,17 @@ def _empty_hot_set(model: AttentionConfig, geometry: CacheConfig) -> HotSet | No
 def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     """An empty cache: every slot free, every page free, all storage zero."""
     geometry.check_against(model)
-    P, S = geometry.page_tokens, geometry.max_slots
+    fixed = layout.of(model, geometry)
+    S = geometry.max_slots
     stored, tails = {}, {}
-    for spec in compressor_specs(model):
-        n = len(model.layers_of(spec.kind))
-        rows = storage.codec(model, geometry, spec.name)
-        stored[spec.name] = _placed(geometry, spec, jnp.zeros(
-            (n, geometry.num_pages, P // spec.ratio, rows.stored_width), rows.dtype))
-        tail_dt = storage.tail_codec(geometry, spec.in_width).dtype
-        if online_tail(geometry, spec):
+    for spec in fixed.specs:
+        n = len(fixed.layers[spec.kind])
+        rows = fixed.rows[spec.name]
+        stored[spec.name] = _placed(fixed, spec, jnp.zeros(
+            (n, geometry.num_pages, fixed.entries_per_page[spec.name], rows.stored_width),
+            rows.dtype))
+        tail_dt = fixed.tail_rows[spec.name].dtype
+        if spec.name in fixed.online:
             tails[spec.name] = OnlineTail(*(jnp.zeros((n, S, spec.width), tail_dt)
                                             for _ in range(3)))
         else:
@@ -337,7 +350,7 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
                 kv=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
                 gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
             )
-    window = storage.codec(model, geometry, "window")
+    window = fixed.rows["window"]
     # Committed throughout if the C4 entries are on the host, as every program returns it.
     return programs.committed_together(Cache(
         classical=ClassicalPool(
@@ -351,10 +364,11 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
                              window.dtype),
             csa=CSATails(main=tails["csa"], index=tails["csa_index"]),
             hca=tails["hca"],
-            hot=_empty_hot_set(model, geometry),
+            hot=_empty_hot_set(fixed),
         ),
         attn_config=model,
         geometry=geometry,
+        layout=fixed,
     ))
 
 
