@@ -52,7 +52,7 @@ def test_auto_on_gpu_follows_the_measured_table(monkeypatch):
     faster_kernel = dict(ops.measured())
     row = faster_kernel[("gpu", "index_scores")]
     faster_kernel[("gpu", "index_scores")] = {**row, "kernel_ms": row["reference_ms"] / 2}
-    monkeypatch.setattr(ops, "measured", lambda: faster_kernel)
+    monkeypatch.setattr(ops.choice, "measured", lambda: faster_kernel)
     assert ops.choose("index_scores", MODEL, GEOMETRY, DEFAULT, backend="gpu").implementation == (
         "pallas_gpu")
 
