@@ -1,9 +1,12 @@
 """Data parallelism over eight host devices (`v4kv_jax.mesh`); run by tests/test_mesh.py in a
 subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8, so that the rest of the
-suite keeps one device. Not collected on its own (its name does not start with test_).
+suite keeps one device, and compiling at XLA's defaults, as users do (tests/conftest.py). Not
+collected on its own (its name does not start with test_).
 
 Each shard of a mesh runs the body a one-device cache runs, on its own rows: a shard's
-outputs, stored rows and State are held bit for bit to a one-device run of the same rows.
+outputs, stored rows and State are held bit for bit to a one-device run of the same rows, and
+an Engine's tokens and logits to a one-device Engine running the same batches (a mesh of one
+device; eight shards each serving one request at a time).
 """
 
 from __future__ import annotations
@@ -202,12 +205,25 @@ ENGINE_GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4,
                                  c4_tier="host")
 
 
+def test_a_mesh_of_one_device_is_the_one_device_engine():
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 40, int(n)).tolist() for n in (150, 9, 270)]
+    want = Engine(DECODER, ENGINE_GEOMETRY, prefill_chunk=64, keep_logits=True).generate(
+        prompts, 3)
+    got = Engine(DECODER, ENGINE_GEOMETRY, prefill_chunk=64, keep_logits=True,
+                 mesh=meshes.data_mesh(1)).generate(prompts, 3)
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens
+        assert g.logits.tobytes() == w.logits.tobytes()
+
+
 def test_engine_over_eight_shards(mesh, tmp_path, monkeypatch):
-    """Requests of many lengths (some sharing prefixes) over eight shards: the tokens of a
-    one-device engine, logits within 1e-5 (other requests share a shard's batch than on one
-    device); one step program; the request with a cached prefix on the shard holding it;
-    NaN in every row no request or index of a shard holds; a report per shard; the C4
-    entries in host memory on every shard; a full disk on one shard costs only its files."""
+    """Requests of many lengths (some sharing prefixes) over eight shards: the greedy tokens
+    of a one-device engine serving them all, and the tokens and logits bit for bit of one
+    serving each alone, as each shard did; one step program; the request with a cached
+    prefix on the shard holding it; NaN in every row no request or index of a shard holds;
+    a report per shard; the C4 entries in host memory on every shard; a full disk on one
+    shard costs only its files."""
     rng = np.random.default_rng(7)
     base = rng.integers(0, 40, 400).tolist()
     prompts = [rng.integers(0, 40, int(n)).tolist() for n in (130, 77, 256, 3)]
@@ -235,12 +251,16 @@ def test_engine_over_eight_shards(mesh, tmp_path, monkeypatch):
             outputs[out.request_id] = out
     assert compiled_step_programs() - before == 1
     assert outputs[hit].cached_tokens == 256
-    want = one.generate(prompts + [base[:300], base[:280] + [1, 2]], 4)
-    for rid, w in zip(ids + [first, hit], want, strict=True):
+    requests = list(zip(ids + [first, hit], prompts + [base[:300], base[:280] + [1, 2]],
+                        [4] * len(prompts) + [3, 3], strict=True))
+    batched = one.generate([p for _, p, _ in requests], 4)
+    for (rid, prompt, n), w in zip(requests, batched, strict=True):
         got = outputs[rid]
-        n = len(got.tokens)
-        assert got.tokens == w.tokens[:n]
-        np.testing.assert_allclose(got.logits, w.logits[:n], atol=1e-5, rtol=0)
+        assert got.tokens == w.tokens[:len(got.tokens)]
+        # Each shard ran one request at a time: served alone on one device (the hit a hit
+        # again), it runs in the same batches, so the logits are the bits.
+        (alone,) = one.generate([prompt], n)
+        assert (alone.tokens, alone.logits.tobytes()) == (got.tokens, got.logits.tobytes())
     assert pools.csa_entries(eng.cache).c4.sharding.memory_kind == "pinned_host"
     assert all(pools.csa_entries(s.cache).c4.sharding.memory_kind == "pinned_host"
                for s in eng.shards)

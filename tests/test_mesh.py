@@ -1,6 +1,6 @@
-"""Data parallelism (`v4kv_jax.mesh`): a mesh of one device is the one-device engine bit for
-bit, mesh arguments are checked, and tests/multi_device.py runs on eight host devices in a
-subprocess (the rest of the suite keeps one device)."""
+"""Data parallelism (`v4kv_jax.mesh`): mesh arguments are checked, tests/multi_device.py runs
+on eight host devices in a subprocess compiling at XLA's defaults (the rest of the suite keeps
+one device and its faster flags), and two processes of four devices serve as one mesh."""
 
 from __future__ import annotations
 
@@ -22,24 +22,13 @@ from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.serve import Generator
 from v4kv_jax.serve.engine import Engine
 
-from conftest import default_emitters
+import xla_defaults
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ATTENTION = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))
 CONFIG = ModelConfig(ATTENTION, vocab_size=40, mlp_hidden=48)
 DECODER = Decoder(CONFIG, rngs=nnx.Rngs(1), bias_scale=0.5)
 GEOMETRY = v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4)
-
-
-def test_a_mesh_of_one_device_is_the_one_device_engine():
-    rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, 40, int(n)).tolist() for n in (150, 9, 270)]
-    want = Engine(DECODER, GEOMETRY, prefill_chunk=64, keep_logits=True).generate(prompts, 3)
-    got = Engine(DECODER, GEOMETRY, prefill_chunk=64, keep_logits=True,
-                 mesh=meshes.data_mesh(1)).generate(prompts, 3)
-    for g, w in zip(got, want, strict=True):
-        assert g.tokens == w.tokens
-        np.testing.assert_array_equal(g.logits, w.logits)
 
 
 def test_mesh_arguments_are_checked():
@@ -60,11 +49,10 @@ def test_mesh_arguments_are_checked():
 
 
 def test_eight_host_devices():
-    """tests/multi_device.py with eight host devices, in a subprocess."""
-    # XLA's default fusion emitters: the bits a one-device run gives (tests/conftest.py).
-    flags = default_emitters(os.environ.get("XLA_FLAGS", "")) + (
-        " --xla_force_host_platform_device_count=8")
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    """tests/multi_device.py with eight host devices, in a subprocess compiling at XLA's
+    defaults, as users do (tests/conftest.py)."""
+    env = xla_defaults.environment("--xla_force_host_platform_device_count=8",
+                                   JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          os.path.join(HERE, "multi_device.py")],
