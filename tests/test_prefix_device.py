@@ -25,6 +25,11 @@ from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY, MODEL, OPTIONS, new_cache, positions, run_chunks
 
+# Replay against the request that wrote the State is another program with the same bits:
+# the file runs as users compile, at XLA's defaults (tests/xla_defaults.py), in one
+# subprocess that shares its programs.
+pytestmark = pytest.mark.xla_defaults
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P = GEOMETRY.page_tokens
 BOUNDARY = 2 * P  # b: two full pages
