@@ -429,8 +429,8 @@ def _read_chunk(kind, model, geometry, options, fixed, queries, q_pos, kv_end, k
 
     # Made resident `group_size` queries at a time, then read at once: the pool read's bits.
     entries, page_rows, ids, hot = hot_set.resident_chunk(
-        picks, q_pos, kv_end, stored.hot, stored.entries, stored.layer, stored.page_rows,
-        hot_set.group_size(model, geometry), host=geometry.c4_tier == "host")
+        picks, q_pos, kv_end, stored.hot, hot_set.group_size(model, geometry),
+        lambda picked, pos, hot: make_resident(geometry, picked, pos, stored.replace(hot=hot)))
     read_from = stored.replace(layer=jnp.zeros((), jnp.int32), page_rows=page_rows,
                                entries=entries, hot=hot)
     return attend(queries.q, q_pos, ids, read_from), picks, hot

@@ -120,8 +120,8 @@ def _fetch(entries: jax.Array, layer, page_rows: jax.Array, fetch: jax.Array, ho
 
 
 def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: HotSet,
-                   entries: jax.Array, layer, page_rows: jax.Array, group: int, *,
-                   host: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, HotSet]:
+                   group: int, make_resident
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, HotSet]:
     """A chunk's picks made resident `group` queries at a time, in position order, and each
     query's picked rows copied out while its group holds them: (entries [1, B * T * k, 1,
     sw], page_rows i32[B, T * k], ids i32[B, T, k], the new `HotSet`).
@@ -129,9 +129,16 @@ def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: H
     The three are a pool of one entry per page that a sparse read of the whole chunk reads
     with `ids` where it would read the pool with `picks`: the same rows in the same columns,
     absent (page -1) where the pool has no page, and -1 exactly where `picks` is, so the
-    read reads the same prefix of the picks' columns. Arguments as `resident`, with picks
-    i32[B, T, k] and q_pos i32[B, T] of the chunk's queries and kv_end i32[B]; a query at or
-    past kv_end (padding) makes nothing resident and reads no entry.
+    read reads the same prefix of the picks' columns.
+
+    Args:
+      picks: i32[B, T, k] the indexer's picks of the chunk's queries; q_pos: i32[B, T] their
+        positions; kv_end: i32[B] (a query at or past it, padding, makes nothing resident
+        and reads no entry).
+      hot: the rows' hot sets [B, H, ...]; group: queries made resident at once.
+      make_resident: (picks i32[B, group, k], q_pos i32[B, group], hot sets) -> (the hot
+        rows of the picks, the `ops.Stored` they are read from, with the new hot sets):
+        `ops.make_resident`, the one place picks are made readable.
     """
     batch, tokens, k = picks.shape
     wanted = jnp.where((q_pos < kv_end[:, None])[..., None], picks, -1)
@@ -146,9 +153,9 @@ def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: H
 
     def one_group(hot, args):
         pos, picked = args
-        rows, hot = resident(picked, pos, hot, entries, layer, page_rows, host=host)
-        held, held_rows = as_pages(hot)
-        return hot, paging.gather_entries(held, 0, held_rows, rows)
+        rows, read_from = make_resident(picked, pos, hot)
+        return read_from.hot, paging.gather_entries(read_from.entries, read_from.layer,
+                                                    read_from.page_rows, rows)
 
     hot, (keys, present) = jax.lax.scan(one_group, hot, (grouped(q_pos, None),
                                                          grouped(wanted, -1)))
