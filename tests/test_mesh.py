@@ -56,7 +56,7 @@ def test_eight_host_devices():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          os.path.join(HERE, "multi_device.py")],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=240)
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
