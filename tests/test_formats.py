@@ -190,6 +190,7 @@ def online_decode():
     return data, _prefill(ONLINE, data, [1] * ONLINE_LENGTH, 1)
 
 
+@pytest.mark.xla_defaults  # two programs (chunk, decode): their bits as users compile
 @hypothesis.settings(max_examples=hypothesis_examples(4), deadline=None)
 @hypothesis.given(st.lists(st.integers(1, 32), min_size=1, max_size=12))
 def test_online_tail_any_chunking_equals_decode_bit_for_bit(online_decode, sizes):
