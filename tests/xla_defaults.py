@@ -5,12 +5,13 @@ per process. A test marked `@pytest.mark.xla_defaults` (or a file with that `pyt
 holds a bit-for-bit promise between two programs, which only the flags users compile with
 can keep: it runs in a pytest subprocess whose XLA_FLAGS have neither of the suite's flags,
 one subprocess per test file for the marked tests of that file that this run selected (so a
-file's module fixtures are built once). The subprocess starts at the file's first marked test
-and runs them in collection order while this process goes on; each marked test then reports
-here what the subprocess reported for it (setup, call, teardown; output, traceback, duration),
-under its own name. A marked test the subprocess ended without reporting fails, with the
-subprocess's exit status and the end of its output. The subprocess ends when this process
-does, and each of its tests has the suite's time limit (tests/guardrails.py).
+file's module fixtures are built once; the suite hands a file to one worker, `--dist
+loadfile`). The subprocess starts at the file's first marked test and runs them in collection
+order while this process goes on; each marked test then reports here what the subprocess
+reported for it (setup, call, teardown; output, traceback, duration), under its own name. A
+marked test the subprocess ended without reporting fails, with the subprocess's exit status
+and the end of its output. The subprocess ends when this process does, and each of its tests
+has the suite's time limit (tests/guardrails.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import threading
 import time
 
 import pytest
-from _pytest.reports import TestReport
+from pytest import TestReport
 
 MARK = "xla_defaults"
 # Set in the subprocess: the conftest adds no flag of its own, the tests run here.
@@ -185,8 +186,11 @@ def pytest_runtest_protocol(item, nextitem):
                                     "defaults (tests/xla_defaults.py)"))
         item.ihook.pytest_runtest_logreport(report=report)
     # This process's fixtures that the next test does not use (none of this test's own: it
-    # never set any up here).
-    item.session._setupstate.teardown_exact(nextitem)
+    # never set any up here); an error there is reported at this test's teardown.
+    call = pytest.CallInfo.from_call(
+        lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown")
+    if call.excinfo is not None:
+        item.ihook.pytest_runtest_logreport(report=TestReport.from_item_and_call(item, call))
     item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     if nextitem is None or str(nextitem.path) != path:
         _running.pop(path).close()
