@@ -17,8 +17,8 @@ import pytest
 
 # Each test's limit, setup and teardown included (a test may set its own with
 # @pytest.mark.time_limit(seconds)). The slowest test takes about 150 s on 2 cores
-# (tests/test_mesh.py's eight devices, compiled at XLA's defaults); the bounds the tests put
-# on their own subprocesses stay below this.
+# (tests/test_mesh.py's eight devices, compiled at XLA's defaults, which sets its own limit);
+# the bounds the tests put on their own subprocesses stay below their limit.
 TIME_LIMIT = 300.0
 
 _stderr = None

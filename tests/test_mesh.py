@@ -48,6 +48,7 @@ def test_mesh_arguments_are_checked():
     assert one.table is one.shards[0].table
 
 
+@pytest.mark.time_limit(480)  # 95 to 150 s on 2 cores; 280 s seen with the cores shared
 def test_eight_host_devices():
     """tests/multi_device.py with eight host devices, in a subprocess compiling at XLA's
     defaults, as users do (tests/conftest.py)."""
@@ -56,7 +57,7 @@ def test_eight_host_devices():
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          os.path.join(HERE, "multi_device.py")],
-        cwd=HERE, env=env, capture_output=True, text=True, timeout=280)
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=450)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
