@@ -120,7 +120,8 @@ def test_the_library_keeps_every_rule():
     ("every read of a chunk", "step.py", "out = attention.attend(model, geo, options)"),
     ("every read of a chunk", "nn/attention.py", "picks = indexer.index_topk(model)"),
     ("only programs compiles", "serve/manager.py", "_f = jax.jit(pools.reset_slot)"),
-    ("only programs compiles", "serve/generator.py", "@functools.partial(jax.jit, donate_argnums=0)"),
+    ("only programs compiles", "serve/generator.py",
+     "@functools.partial(jax.jit, donate_argnums=0)"),
 ])
 def test_a_planted_violation_is_found(tmp_path, rule, file, line):
     copy = tmp_path / "v4kv_jax"
