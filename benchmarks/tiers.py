@@ -87,7 +87,7 @@ def run(args) -> dict:
             report = pools.memory_report(cache)
             picks = model.index_topk * model.num_csa * args.batch
             c4, hot = pools.csa_entries(cache).c4, pools.hot_set(cache)
-            row_bytes = c4.shape[-1] * c4.dtype.itemsize
+            row_bytes = c4.map.record_bytes
             c4_device = (0 if hot is None else hot.rows.nbytes) + (
                 0 if fields["c4_tier"] == "host" else c4.nbytes)
             fetched_rows = statistics.mean(fetched) if fetched else 0.0

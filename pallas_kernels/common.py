@@ -69,7 +69,15 @@ def rotate_lanes(x: jax.Array, swapped: jax.Array, angle: jax.Array, inverse: bo
         sin = -sin
     lane = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     signed = jnp.where(lane % 2 == 0, -sin, sin)
-    return x * cos + swapped * signed
+    # Each product rounded on its own (a select no compiler pass removes): never contracted
+    # into an FMA, so a kernel's rows are the same bits in every program it runs in.
+    return rounded(x * cos) + rounded(swapped * signed)
+
+
+def rounded(x: jax.Array) -> jax.Array:
+    """x, bit for bit (a NaN stays NaN), through a select that keeps a product from being
+    contracted with the sum it feeds into an FMA."""
+    return jnp.where(x == x, x, jnp.nan)
 
 
 def swap_pairs_tpu(x: jax.Array) -> jax.Array:
@@ -144,21 +152,13 @@ def nbytes(x, last_dims: int | None = None) -> int:
     return int(np.prod(shape, dtype=np.int64)) * x.dtype.itemsize
 
 
-SIXTEEN_BIT = ("bfloat16", "float16")
-
-
-def tpu_row_copy_problem(rows_per_copy: int = 1, **formats: str) -> str | None:
-    """Why Mosaic cannot copy runs of `rows_per_copy` rows (at offsets that are multiples of
-    it) of arrays stored in `formats` (name=format), or None: a 16-bit array packs its rows
-    in pairs, and Mosaic copies them only in runs of an even number of rows at even offsets
-    (32-bit rows and the packed uint32 release formats copy one at a time)."""
-    bad = [f"{name}={fmt!r}" for name, fmt in formats.items() if fmt in SIXTEEN_BIT]
-    if not bad or rows_per_copy % 2 == 0:
+def float32_tails_problem(tail_dtype: str) -> str | None:
+    """Why a compressor kernel cannot run tails stored in `tail_dtype`, or None: the kernels
+    pool the tail rows as they load them, float32."""
+    if tail_dtype == "float32":
         return None
-    run = "one row" if rows_per_copy == 1 else f"{rows_per_copy} rows"
-    return (f"{', '.join(bad)}: the TPU kernel copies {run} at a time, and Mosaic copies "
-            "16-bit rows (packed in pairs) only in runs of an even number at even offsets "
-            "(float32 and the packed release formats run)")
+    return (f"tail_dtype={tail_dtype!r}: the compressor kernels pool float32 tail rows as "
+            "they load them")
 
 
 def power_of_two_problem(**dims: int) -> str | None:
@@ -175,6 +175,13 @@ def check_power_of_two(**dims: int) -> None:
     for name, value in dims.items():
         if not is_power_of_two(value):
             raise ValueError(f"{name}={value} must be a power of two for the GPU (Triton) kernel")
+
+
+def in_hbm(planes) -> tuple[jax.Array, ...]:
+    """The planes of a stored array held in HBM for a TPU kernel: XLA may otherwise move an
+    operand the kernel reads by DMA (`pl.ANY`) into VMEM around the call, copying a whole
+    pool in and out for a few pages' reads."""
+    return tuple(pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in planes)
 
 
 def layer_index(layer) -> jax.Array:

@@ -21,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import formats
 from pallas_kernels.common import HIGHEST, MASK_VALUE, rotate_lanes
@@ -28,21 +29,28 @@ from pallas_kernels.common import HIGHEST, MASK_VALUE, rotate_lanes
 
 @dataclasses.dataclass(frozen=True)
 class KeyGroups:
-    """The layouts of the window and of the entries, deduplicated (static).
+    """The layouts of the window and of the entries, and their query groups (static).
 
     Attributes:
-      layouts: one `formats.Layout` per group.
+      layouts: one `formats.Layout` per group: the window and the entries share one when
+        their planes hold the same dims at the same lanes (one set of query planes and of
+        accumulators), else a group each.
       window, entries: the group of the window ring and of the compressed entries.
+      window_layout, entries_layout: how each is stored (what decodes it).
     """
 
     layouts: tuple[formats.Layout, ...]
     window: int
     entries: int
+    window_layout: formats.Layout
+    entries_layout: formats.Layout
 
     @classmethod
     def of(cls, window: formats.Layout, entries: formats.Layout) -> KeyGroups:
-        layouts = (window,) if window == entries else (window, entries)
-        return cls(layouts, 0, layouts.index(entries))
+        shared = window.n_planes == entries.n_planes and np.array_equal(
+            window.lane_dims(), entries.lane_dims())
+        layouts = (window,) if shared else (window, entries)
+        return cls(layouts, 0, 0 if shared else 1, window, entries)
 
     def queries(self, q: jax.Array) -> list[jax.Array]:
         """f32[B, H, hd] -> per group f32[B, n_planes, H, plane_width]."""

@@ -12,7 +12,25 @@ no fp8 / fp4 dtypes, so they lower on Mosaic TPU and Triton GPU alike):
                 scale byte per block; S = nope / 4 + r / 2 + ceil(nb / 4) words.
   "fp4_index"   c dims of the Hadamard-rotated key: e2m1 nibbles (dim 8 w + j in bits 4 j of
                 word w), then one ue8m0 scale byte per block of 32; S = c / 8 + ceil(nb / 4).
-  float formats (float32, bfloat16, float16): the row as it is.
+  "float32"     the row as it is, one value a word.
+  "bfloat16", "float16"
+                two values a word: value 2 i in the low half of word i, 2 i + 1 in the high
+                half; S = ceil(width / 2).
+
+Parts
+-----
+A pool is not stored as [..., rows, S] but lane-dense (`v4kv_jax.pools.lanes`): each *part*
+of a row (words [first, first + words)) lives in a plane of its own, rows of `lanes` lanes
+(a multiple of 128) that hold lanes // slot rows each, a row's part in a slot of `slot`
+lanes. `Layout.parts` says where; the default, one part of the whole row in `stored_width`
+lanes, is a row handed to a kernel as it is. A kernel copies a part's lane rows as they are
+and never moves a word across lanes: `decode_tpu` takes each part's tile with the slot each
+of its rows holds ([n, 1]) and masks every other lane, and the query planes hold the query
+once in every slot (`to_planes`), so a dot product with a tile row sees only its slot;
+`from_planes` sums an output dim over the slots that hold it. A GPU kernel gathers instead:
+record e's words come from each part's plane at lane row e // per_row, lanes (e % per_row)
+* slot + word - first (`gpu_gather`, one gathered load per part a run of words touches),
+and are written back the same way, word by word (`gpu_scatter`).
 
 Planes
 ------
@@ -22,14 +40,18 @@ spread them: a decoded tile is a list of `Layout.n_planes` planes [rows, plane_w
 j lane w holding natural dim `Layout.lane_dims()[j, w]` (-1: a lane that holds 0). A dot
 product over the dims is the sum over planes of the planes' dot products, so the ops hand the
 kernels queries already laid out in planes (`to_planes`, a gather in XLA) and put the
-kernels' outputs back in natural order (`from_planes`). Float formats are one plane, the row.
+kernels' outputs back in natural order (`from_planes`). "float32" rows are one plane, the
+row; 16-bit float rows two, the low and the high halves of the words.
 
-  TPU (`decode_tpu`): a plane is as wide as the stored row (S lanes, the tile as copied into
-  VMEM); plane j takes byte / nibble j of each code word, fp8 planes 0 and 1 also the low /
-  high bf16 halves of the RoPE words; per-lane scales come from masked lane reductions.
-  GPU (`decode_gpu`): a plane is a power of two wide (Triton); each is one gathered load of
-  the words its lanes need: fp8 planes hold 128 lanes for V4 (112 code words + 16 of the 64
-  RoPE dims each, so the 4 planes are exactly the 512 dims), fp4 planes c / 8 lanes.
+  TPU (`decode_tpu`): a plane is as wide as the parts' lanes side by side (S lanes for the
+  default part, the tile as copied into VMEM); plane j takes byte / nibble j of each code
+  word, fp8 planes 0 and 1 also the low / high bf16 halves of the RoPE words (and of 16-bit
+  float words); per-lane scales come from masked lane reductions.
+  GPU (`decode_gpu`): a plane is a power of two wide (Triton); each is gathered from the
+  words its lanes need, wherever the parts hold them (`gpu_loader`): fp8 planes hold 128
+  lanes for V4 (112 code words + 16 of the 64 RoPE dims each, so the 4 planes are exactly
+  the 512 dims), fp4 planes c / 8 lanes, 16-bit float planes the S words (lane w of plane j:
+  dim 2 w + j), "float32" the row.
 
 Decoded values are bit for bit those of `storage.decode_*` (the tests check it), NaN codes
 decode to NaN, scale byte 0xFF to NaN and 0 to 2^-127 (flushed to 0 where the backend
@@ -45,6 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import MIN_DOT, next_power_of_two
 
@@ -61,21 +84,58 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+HALVES = ("bfloat16", "float16")
+FLOATS = ("float32",) + HALVES
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Words [first, first + words) of every row, in a plane of lane rows of `lanes` lanes,
+    a row's words in a slot of `slot` lanes (lanes // slot rows to a lane row; a row of
+    the lane map's block e sits in lane row e // per_row, slot e % per_row), `rows` lane
+    rows a block (`v4kv_jax.pools.lanes.Part`)."""
+
+    first: int
+    words: int
+    slot: int
+    lanes: int
+    rows: int = 1
+
+    def __post_init__(self):
+        if self.words < 1 or self.slot < self.words or self.lanes % self.slot:
+            raise ValueError(f"Part: expected 1 <= words <= slot and lanes a multiple of slot; "
+                             f"got {self}")
+
+    @property
+    def per_row(self) -> int:
+        return self.lanes // self.slot
+
+
+def parts_of(spec) -> tuple[Part, ...]:
+    """Parts from (first, words, slot, rows) tuples (a plane's lanes: max(slot, 128))."""
+    return tuple(Part(f, w, s, max(s, 128), r) for f, w, s, r in spec)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a kernel sees rows of one stored format (static).
 
     Attributes:
-      fmt: "fp8_latent", "fp4_index" or "float" (any plain float dtype).
+      fmt: "fp8_latent", "fp4_index", "float32", "bfloat16" or "float16".
       width: values per row (hd, or c for indexer keys).
       rope_dim: the last rope_dim dims are RoPE dims (fp8_latent stores them in bf16).
       backend: "tpu" or "gpu" (the plane shapes differ, see the module docstring).
+      parts: where the words of a row live (`Part`s in word order; () is one part of the
+        whole row, stored_width lanes wide, a row to a lane row).
+      records: rows of a block of the stored array (a page's entries, a ring's rows).
     """
 
     fmt: str
     width: int
     rope_dim: int
     backend: str
+    parts: tuple[Part, ...] = ()
+    records: int = 1
 
     def __post_init__(self):
         if self.fmt == "fp8_latent":
@@ -88,14 +148,33 @@ class Layout:
             if self.width < FP4_BLOCK or self.width & (self.width - 1):
                 raise ValueError(f"fp4_index needs a power-of-two width >= {FP4_BLOCK}; got "
                                  f"width={self.width}")
-        elif self.fmt != "float":
-            raise ValueError(f"fmt={self.fmt!r}: expected 'float', 'fp8_latent' or 'fp4_index'")
+        elif self.fmt not in FLOATS:
+            raise ValueError(f"fmt={self.fmt!r}: expected one of {FLOATS + PACKED}")
         if self.backend not in ("tpu", "gpu"):
             raise ValueError(f"backend={self.backend!r}: expected 'tpu' or 'gpu'")
+        if not self.parts:
+            whole = self.stored_width
+            object.__setattr__(self, "parts", (Part(0, whole, whole, whole),))
+        covered = [(p.first, p.first + p.words) for p in self.parts]
+        if [c for span in covered for c in span] != sorted(
+                [0] + [c for _, e in covered[:-1] for c in (e, e)] + [self.stored_width]):
+            raise ValueError(f"parts: expected consecutive runs of the {self.stored_width} "
+                             f"words of a row; got {self.parts}")
 
     @property
     def packed(self) -> bool:
-        return self.fmt != "float"
+        return self.fmt in PACKED
+
+    @property
+    def halves(self) -> bool:
+        """Two 16-bit float values a word."""
+        return self.fmt in HALVES
+
+    @property
+    def whole(self) -> bool:
+        """One part, a row to a lane row (a row as it is handed to a kernel)."""
+        return len(self.parts) == 1 and self.parts[0].per_row == 1 and (
+            self.parts[0].lanes == self.stored_width)
 
     @property
     def nope(self) -> int:
@@ -119,14 +198,16 @@ class Layout:
 
     @property
     def stored_width(self) -> int:
-        """Last dim of a stored row (words for packed formats)."""
+        """Words of a stored row."""
+        if self.halves:
+            return _ceil_div(self.width, 2)
         if not self.packed:
             return self.width
         return self.scale_word + _ceil_div(self.blocks, 4)
 
     @property
     def per_word(self) -> int:
-        return {"fp8_latent": 4, "fp4_index": 8}.get(self.fmt, 1)
+        return {"fp8_latent": 4, "fp4_index": 8, "bfloat16": 2, "float16": 2}.get(self.fmt, 1)
 
     @property
     def n_planes(self) -> int:
@@ -138,10 +219,12 @@ class Layout:
 
     @property
     def plane_width(self) -> int:
-        if not self.packed:
-            return self.width
         if self.backend == "tpu":
-            return self.stored_width
+            return sum(p.lanes for p in self.parts)
+        if self.fmt == "float32":
+            return self.width
+        if self.halves:
+            return max(MIN_DOT, next_power_of_two(self.stored_width))
         if self.fmt == "fp8_latent":  # code lanes, then a quarter of the RoPE dims
             return max(MIN_DOT, next_power_of_two(self.code_words + _ceil_div(self.rope_dim, 4)))
         return max(MIN_DOT, self.code_words)
@@ -151,62 +234,175 @@ class Layout:
         """GPU fp8: RoPE dims held by each plane after its code lanes."""
         return self.plane_width - self.code_words
 
-    def lane_dims(self) -> np.ndarray:
-        """i32[n_planes, plane_width]: the natural dim each plane lane holds, -1 for none."""
-        dims = np.full((self.n_planes, self.plane_width), -1, np.int32)
-        if not self.packed:
+    def word_dims(self) -> np.ndarray:
+        """i32[n_planes, stored_width]: the natural dim plane j takes from each word of a
+        row, -1 for none (a scale word, padding)."""
+        dims = np.full((self.n_planes, self.stored_width), -1, np.int32)
+        if self.fmt == "float32":
             dims[0] = np.arange(self.width)
+            return dims
+        if self.halves:
+            for j in range(2):
+                d = 2 * np.arange(self.stored_width) + j
+                dims[j] = np.where(d < self.width, d, -1)
             return dims
         w = np.arange(self.code_words)
         for j in range(self.n_planes):
             dims[j, :self.code_words] = self.per_word * w + j
         if self.fmt == "fp8_latent" and self.rope_dim:
             half = self.rope_dim // 2
-            if self.backend == "tpu":
-                lanes = self.code_words + np.arange(half)
-                dims[0, lanes] = self.nope + 2 * np.arange(half)
-                dims[1, lanes] = self.nope + 2 * np.arange(half) + 1
-            else:
-                for j in range(self.n_planes):
-                    rope = j * self.rope_lanes + np.arange(self.rope_lanes)
-                    keep = rope < self.rope_dim
-                    dims[j, self.code_words + np.arange(self.rope_lanes)[keep]] = (
-                        self.nope + rope[keep])
+            lanes = self.code_words + np.arange(half)
+            dims[0, lanes] = self.nope + 2 * np.arange(half)
+            dims[1, lanes] = self.nope + 2 * np.arange(half) + 1
+        return dims
+
+    def part_words(self, part: Part) -> np.ndarray:
+        """i32[part.lanes]: the row word each lane of a part's lane row holds once the row's
+        slot is moved to slot 0 (`decode_tpu`), -1 for the other lanes."""
+        lane = np.arange(part.lanes)
+        return np.where(lane < part.words, part.first + lane, -1)
+
+    def lane_dims(self) -> np.ndarray:
+        """i32[n_planes, plane_width]: the natural dim each plane lane holds, -1 for none."""
+        if self.backend == "tpu":
+            words = self.word_dims()
+            out = []
+            for part in self.parts:
+                word = self.part_words(part)
+                out.append(np.where(word >= 0, words[:, np.maximum(word, 0)], -1))
+            return np.concatenate(out, axis=1).astype(np.int32)
+        dims = np.full((self.n_planes, self.plane_width), -1, np.int32)
+        if self.fmt == "float32":
+            dims[0] = np.arange(self.width)
+            return dims
+        if self.halves:
+            return np.pad(self.word_dims(), ((0, 0), (0, self.plane_width - self.stored_width)),
+                          constant_values=-1)
+        w = np.arange(self.code_words)
+        for j in range(self.n_planes):
+            dims[j, :self.code_words] = self.per_word * w + j
+        if self.fmt == "fp8_latent" and self.rope_dim:
+            for j in range(self.n_planes):
+                rope = j * self.rope_lanes + np.arange(self.rope_lanes)
+                keep = rope < self.rope_dim
+                dims[j, self.code_words + np.arange(self.rope_lanes)[keep]] = (
+                    self.nope + rope[keep])
         return dims
 
 
 @functools.cache
-def layout(fmt: str, width: int, rope_dim: int, backend: str) -> Layout:
-    """The `Layout` of a storage format name as the cache geometry spells it (every plain float
-    dtype name is "float")."""
-    return Layout(fmt if fmt in PACKED else "float", width, rope_dim, backend)
+def layout(fmt: str, width: int, rope_dim: int, backend: str, lanes=()) -> Layout:
+    """The `Layout` of a storage format name as the cache geometry spells it, its rows where
+    `lanes` says: (records a block, ((first, words, slot, rows) per plane)) as
+    `v4kv_jax.pools.lanes.LaneMap.spec` gives it; (): whole rows."""
+    if not lanes:
+        return Layout(fmt, width, rope_dim, backend)
+    records, parts = lanes
+    return Layout(fmt, width, rope_dim, backend, parts_of(parts), records)
 
 
-def check_stored(lay: Layout, array, name: str) -> None:
-    """Raises ValueError naming `name` if its rows do not have the layout's stored width."""
-    if array.shape[-1] != lay.stored_width:
-        raise ValueError(f"{name}: rows of {lay.fmt} with width {lay.width} (rope_dim "
-                         f"{lay.rope_dim}) are {lay.stored_width} wide; got last dim "
-                         f"{array.shape[-1]}")
-    if lay.packed and jnp.dtype(array.dtype) != jnp.dtype(jnp.uint32):
-        raise ValueError(f"{name}: {lay.fmt} rows are uint32 words; got {array.dtype}")
+def check_stored(lay: Layout, planes, name: str) -> None:
+    """Raises ValueError naming `name` unless `planes` (one array per part, [..., rows,
+    lanes]; or one array of whole rows [..., stored_width]) are the layout's."""
+    planes = tuple(planes) if isinstance(planes, (tuple, list)) else (planes,)
+    if len(planes) != len(lay.parts):
+        raise ValueError(f"{name}: rows of {lay.fmt} (width {lay.width}) in {len(lay.parts)} "
+                         f"plane(s); got {len(planes)}")
+    want = jnp.dtype(jnp.float32 if lay.fmt == "float32" else jnp.uint32)
+    for k, (part, x) in enumerate(zip(lay.parts, planes, strict=True)):
+        if x.shape[-1] != part.lanes or (not lay.whole and x.shape[-2] != part.rows):
+            raise ValueError(f"{name}: plane {k} of {lay.fmt} rows (width {lay.width}, "
+                             f"rope_dim {lay.rope_dim}) is [..., {part.rows}, {part.lanes}]; "
+                             f"got shape {tuple(x.shape)}")
+        if jnp.dtype(x.dtype) != want:
+            raise ValueError(f"{name}: {lay.fmt} rows are {want} words; got {x.dtype}")
 
 
 # --- XLA side: queries into planes, outputs back ------------------------------------------
 
+@functools.cache
+def _runs(lay: Layout) -> tuple[tuple[tuple[int, int, int, int], ...], ...]:
+    """Per plane, the lanes as runs (first lane, count, first dim, dim stride): lanes
+    l .. l + count - 1 hold dims d, d + stride, ...; a run of first dim -1 holds none."""
+    out = []
+    for row in lay.lane_dims():
+        runs, lane = [], 0
+        while lane < len(row):
+            d = int(row[lane])
+            if d < 0:
+                end = lane
+                while end < len(row) and row[end] < 0:
+                    end += 1
+                runs.append((lane, end - lane, -1, 0))
+            else:
+                stride = int(row[lane + 1]) - d if lane + 1 < len(row) and row[lane + 1] > d \
+                    else 1
+                end = lane + 1
+                while end < len(row) and row[end] == d + stride * (end - lane):
+                    end += 1
+                runs.append((lane, end - lane, d, stride))
+            lane = end
+        out.append(tuple(runs))
+    return tuple(out)
+
+
+@functools.cache
+def _interleaves(lay: Layout):
+    """How `from_planes` rebuilds the natural order from the runs: dim ranges in order, each
+    (first dim, [(plane, first lane, count)] of the runs whose lanes, interleaved, are its
+    dims), or None when the runs do not tile the dims that way (then a gather is used)."""
+    held = {}
+    for j, runs in enumerate(_runs(lay)):
+        for lane, count, d, stride in runs:
+            if d >= 0:
+                held.setdefault((stride, count, d - d % stride), []).append((d, j, lane))
+    groups = []
+    for (stride, count, base), members in held.items():
+        members.sort()
+        if [d for d, _, _ in members] != [base + t for t in range(stride)]:
+            return None
+        groups.append((base, stride * count, [(j, lane, count) for _, j, lane in members]))
+    groups.sort()
+    if [g[0] for g in groups] != list(np.cumsum([0] + [g[1] for g in groups])[:-1]) or (
+            sum(g[1] for g in groups) != lay.width):
+        return None
+    return tuple((base, tuple(parts)) for base, _, parts in groups)
+
+
 def to_planes(lay: Layout, x: jax.Array) -> jax.Array:
-    """[..., width] -> [..., n_planes, plane_width] (0 on lanes that hold no dim)."""
-    dims = lay.lane_dims()
-    planes = jnp.take(x, np.maximum(dims, 0), axis=-1)
-    return jnp.where(dims >= 0, planes, jnp.zeros((), x.dtype))
+    """[..., width] -> [..., n_planes, plane_width] (0 on lanes that hold no dim): strided
+    slices of x and zeros, put side by side (no gather: XLA fuses them into one copy)."""
+    planes = []
+    for runs in _runs(lay):
+        pieces = []
+        for _, count, d, stride in runs:
+            if d < 0:
+                pieces.append(jnp.zeros((*x.shape[:-1], count), x.dtype))
+            else:
+                pieces.append(x[..., d:d + stride * (count - 1) + 1:stride])
+        planes.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1))
+    return jnp.stack(planes, axis=-2)
 
 
 def from_planes(lay: Layout, y: jax.Array) -> jax.Array:
-    """[..., n_planes, plane_width] -> [..., width]: the inverse of `to_planes`."""
-    dims = lay.lane_dims().reshape(-1)
-    where = np.zeros(lay.width, np.int32)
-    where[dims[dims >= 0]] = np.flatnonzero(dims >= 0)
-    return jnp.take(y.reshape(*y.shape[:-2], -1), where, axis=-1)
+    """[..., n_planes, plane_width] -> [..., width]: `to_planes`' inverse (each dim from the
+    lane that holds it): runs of lanes interleaved back into natural order (no gather),
+    or a gather where the lanes do not interleave."""
+    groups = _interleaves(lay)
+    if groups is None:
+        dims = lay.lane_dims().reshape(-1)
+        held = np.flatnonzero(dims >= 0)
+        where = np.zeros(lay.width, np.int32)
+        where[dims[held]] = held
+        return jnp.take(y.reshape(*y.shape[:-2], -1), where, axis=-1)
+    pieces = []
+    for _, members in groups:
+        runs = [y[..., j, lane:lane + count] for j, lane, count in members]
+        if len(runs) == 1:
+            pieces.append(runs[0])
+        else:
+            pieces.append(jnp.stack(runs, axis=-1).reshape(*y.shape[:-2], -1))
+    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
 
 
 # --- scalar codecs (int32 in, f32 out and back) -----------------------------------------
@@ -253,6 +449,24 @@ def bf16_low(words: jax.Array) -> jax.Array:
 
 def bf16_high(words: jax.Array) -> jax.Array:
     return _f32(words & _HIGH_HALF)
+
+
+def f16_value(bits: jax.Array) -> jax.Array:
+    """f32 of IEEE half-precision bit patterns (int32 in [0, 65536)), exactly: normal values
+    re-biased, subnormals m * 2^-24, inf and NaN kept."""
+    sign, e, m = (bits >> 15) & 1, (bits >> 10) & 31, bits & 1023
+    normal = _f32(((e + 112) << 23) | (m << 13))
+    special = _f32((255 << 23) | (m << 13))
+    mag = jnp.where(e == 0, m.astype(_F32) * np.float32(2.0 ** -24),
+                    jnp.where(e == 31, special, normal))
+    return jnp.where(sign == 1, -mag, mag)
+
+
+def half_value(fmt: str, words: jax.Array, j: int) -> jax.Array:
+    """f32 of the low (j = 0) or high (j = 1) 16-bit value of words (int32) in `fmt`."""
+    if fmt == "bfloat16":
+        return bf16_low(words) if j == 0 else bf16_high(words)
+    return f16_value((words >> 16 * j) & 0xFFFF)
 
 
 def _round_int(y: jax.Array) -> jax.Array:
@@ -317,45 +531,250 @@ def code_values(lay: Layout, words: jax.Array, j: int) -> jax.Array:
     return e2m1_value((words >> 4 * j) & 15)
 
 
-def decode_tpu(lay: Layout, tile: jax.Array) -> list[jax.Array]:
-    """Planes (f32[n, plane_width] each) of a tile of stored rows [n, stored_width] as loaded."""
-    if not lay.packed:
-        return [tile.astype(_F32)]
-    words = _as_i32(tile)
+def _log2(n: int) -> int:
+    if n & (n - 1):
+        raise ValueError(f"expected a power of two; got {n}")
+    return n.bit_length() - 1
+
+
+def _in_slot_zero(part: Part, words: jax.Array, slot) -> jax.Array:
+    """Lane rows [n, lanes] (int32) with each row's slot `slot` (i32[n, 1], None: slot 0)
+    moved to slot 0 and every other lane 0: the slot is kept, the others zeroed, then the row
+    added to itself rotated by slot, 2 slots, 4 slots ... (integer adds of zeros: exact;
+    whichever way `pltpu.roll` turns, the sums cover every rotation). A row's words then sit
+    at the same lanes whatever slot held them, so a dot product sums them in the same order
+    (a hot row reads bit for bit like the pool row it copies)."""
+    if part.per_row == 1:
+        return words
     lane = lax.broadcasted_iota(jnp.int32, words.shape, 1)
-    scale = jnp.zeros(words.shape, _F32)
-    for b in range(lay.blocks):  # the block's byte, on every lane of the row
-        shift, col = 8 * (b % 4), lay.scale_word + b // 4
-        byte = jnp.max(jnp.where(lane == col, ((words >> shift) & 0xFF).astype(_F32), 0.0),
-                       axis=1, keepdims=True)
-        lanes = _in(lane, b * lay.words_per_block, (b + 1) * lay.words_per_block)
-        scale = jnp.where(lanes, scale_value(byte.astype(jnp.int32)), scale)
-    codes = lane < lay.code_words
-    planes = []
-    for j in range(lay.n_planes):
-        plane = jnp.where(codes, code_values(lay, words, j) * scale, 0.0)
-        if lay.fmt == "fp8_latent" and j < 2 and lay.rope_dim:
-            rope = _in(lane, lay.code_words, lay.code_words + lay.rope_dim // 2)
-            plane = jnp.where(rope, bf16_low(words) if j == 0 else bf16_high(words), plane)
-        planes.append(plane)
-    return planes
+    own = lax.shift_right_logical(lane, _log2(part.slot)) == (0 if slot is None else slot)
+    x = jnp.where(own, words, 0)
+    for t in range(_log2(part.per_row)):
+        x = x + pltpu.roll(x, part.slot << t, 1)
+    return x
+
+
+def _scale_bytes_of(lay: Layout, words) -> list[jax.Array]:
+    """Per scale block b, the ue8m0 byte of each row (f32 [n, 1], an integer): byte b % 4
+    of the row's word scale_word + b // 4, wherever its part (moved to slot 0) holds it."""
+    out = []
+    for b in range(lay.blocks):
+        col = lay.scale_word + b // 4
+        k = next(i for i, p in enumerate(lay.parts) if p.first <= col < p.first + p.words)
+        w = words[k]
+        lane = lax.broadcasted_iota(jnp.int32, w.shape, 1)
+        field = ((w >> 8 * (b % 4)) & 0xFF).astype(_F32)
+        out.append(jnp.max(jnp.where(lane == col - lay.parts[k].first, field, 0.0), axis=1,
+                           keepdims=True))
+    return out
+
+
+def decode_tpu(lay: Layout, tiles, slots=None) -> list[jax.Array]:
+    """Planes (f32[n, plane_width] each) of n rows given as the lane rows that hold them.
+
+    Args:
+      tiles: per part of `lay`, the lane rows [n, part.lanes] (as loaded: words, or float32)
+        holding row i's part in lane row i; one array for a layout of whole rows.
+      slots: per part, i32[n, 1] the slot of row i in its lane row (None: slot 0 of each).
+
+    Each part's row is first moved to slot 0 of its lane row (`_in_slot_zero`); lanes that
+    hold no word of the row (other slots, padding, scale words) are 0 in every plane,
+    whatever the lane rows hold there.
+    """
+    tiles = tuple(tiles) if isinstance(tiles, (tuple, list)) else (tiles,)
+    slots = (None,) * len(tiles) if slots is None else tuple(slots)
+    words = [_in_slot_zero(part, _as_i32(t), slot) if lay.fmt != "float32" or part.per_row > 1
+             else t for part, t, slot in zip(lay.parts, tiles, slots, strict=True)]
+    per_part = []
+    if lay.packed:
+        scales = [scale_value(b.astype(jnp.int32)) for b in _scale_bytes_of(lay, words)]
+    for part, w in zip(lay.parts, words, strict=True):
+        lane = lax.broadcasted_iota(jnp.int32, w.shape, 1)
+        valid, word = lane < part.words, part.first + lane
+        if lay.fmt == "float32":
+            value = w if w.dtype == _F32 else _f32(w)
+            per_part.append([jnp.where(valid, value, 0.0)])
+            continue
+        if lay.halves:
+            low, high = (half_value(lay.fmt, w, j) for j in range(2))
+            per_part.append([jnp.where(valid, low, 0.0), jnp.where(valid, high, 0.0)])
+            continue
+        codes = valid & (word < lay.code_words)
+        block = lax.shift_right_logical(word, _log2(lay.words_per_block))
+        scale = jnp.zeros(w.shape, _F32)
+        blocks = range(part.first // lay.words_per_block,
+                       -(-min(part.first + part.words, lay.code_words) // lay.words_per_block))
+        for b in blocks:
+            scale = jnp.where(block == b, scales[b], scale)
+        planes = []
+        for j in range(lay.n_planes):
+            plane = jnp.where(codes, code_values(lay, w, j) * scale, 0.0)
+            if lay.fmt == "fp8_latent" and j < 2 and lay.rope_dim:
+                rope = valid & (word >= lay.code_words) & (
+                    word < lay.code_words + lay.rope_dim // 2)
+                plane = jnp.where(rope, bf16_low(w) if j == 0 else bf16_high(w), plane)
+            planes.append(plane)
+        per_part.append(planes)
+    if len(per_part) == 1:
+        return per_part[0]
+    return [jnp.concatenate([p[j] for p in per_part], axis=1) for j in range(lay.n_planes)]
+
+
+def decode_row_tpu(lay: Layout, words: jax.Array) -> jax.Array:
+    """f32 [G, width] in natural order of float rows given as their words in order ([G, n],
+    word w at lane w, n >= stored_width; int32 or float32): "float32" as they are, 16-bit
+    floats widened and spread to dims 2 w, 2 w + 1 by a 0/1 matmul at full precision (every
+    value exact: a product with 1, sums with 0)."""
+    if lay.fmt == "float32":
+        value = words if words.dtype == _F32 else _f32(words)
+        return value[:, :lay.width]
+    if not lay.halves:
+        raise ValueError(f"decode_row_tpu: {lay.fmt} rows are decoded into planes")
+    words = _as_i32(words)
+    n = words.shape[1]
+    src = lax.broadcasted_iota(jnp.int32, (n, lay.width), 0)
+    dim = lax.broadcasted_iota(jnp.int32, (n, lay.width), 1)
+    out = None
+    for j in range(2):
+        spread = jnp.dot(half_value(lay.fmt, words, j), (dim == 2 * src + j).astype(_F32),
+                         precision=lax.Precision.HIGHEST, preferred_element_type=_F32)
+        out = spread if out is None else out + spread
+    return out
+
+
+# --- GPU side: a row's words where its parts hold them ----------------------------------------
+# Triton gathers and scatters at any address, so a GPU kernel reads a record's words from the
+# lanes its parts give them (`Part`: lane row e // per_row, lanes (e % per_row) * slot + ..)
+# with one gathered load per part that a run of words touches, and writes them back the same
+# way with masked stores; nothing is relayouted, and no lane of another record is touched.
+
+def gpu_locate(part: Part, record):
+    """(lane row, first lane) of record(s) `record` (int32 >= 0, or an int) in a part's
+    plane: shifts, per_row and slot being powers of two."""
+    if part.per_row == 1:
+        return record, 0
+    return record >> _log2(part.per_row), (record & (part.per_row - 1)) << _log2(part.slot)
+
+
+def _touched(lay: Layout, lo: int, hi: int) -> list[tuple[int, Part]]:
+    """(index, part) of the parts holding some of words [lo, hi] of a row."""
+    if not 0 <= lo <= hi < lay.stored_width:
+        raise ValueError(f"words [{lo}, {hi}]: expected a run inside the {lay.stored_width} "
+                         f"words of a {lay.fmt} row")
+    return [(k, p) for k, p in enumerate(lay.parts) if p.first <= hi and lo < p.first + p.words]
+
+
+def _index(lead, row, lane, shape) -> tuple:
+    """A gather / scatter index: every array broadcast to `shape`, scalars left as they are."""
+    return tuple(i if jnp.ndim(i) == 0 else jnp.broadcast_to(i, shape)
+                 for i in (*lead, row, lane))
+
+
+def gpu_gather(lay: Layout, planes, lead, record, words, lo: int, hi: int) -> jax.Array:
+    """Words `words` of record(s) `record` of block `lead` of a stored array, as stored
+    (uint32, or float32 for "float32" rows).
+
+    Args:
+      planes: the array's planes (refs inside a kernel, or arrays), one per part of `lay`.
+      lead: indices of the block (ints, scalars or arrays), one per leading dim.
+      record: the record in its block (int32 >= 0, an int or an array).
+      words: i32 row words, each in [lo, hi] (static bounds: only the parts holding some of
+        them are read, one gathered load each, the words selected per lane).
+
+    Returns:
+      [shape]: lead, record and words broadcast together.
+    """
+    shape = jnp.broadcast_shapes(jnp.shape(record), jnp.shape(words),
+                                 *(jnp.shape(i) for i in lead))
+    out = None
+    for k, part in _touched(lay, lo, hi):
+        row, base = gpu_locate(part, record)
+        at = words - part.first
+        if not part.first <= lo <= hi < part.first + part.words:
+            at = jnp.clip(at, 0, part.words - 1)  # a word of another part: read, not kept
+        x = planes[k][_index(lead, row, base + at, shape)]
+        out = x if out is None else jnp.where(words >= part.first, x, out)
+    return out
+
+
+def gpu_scatter(lay: Layout, planes, lead, record, words, values, mask, lo: int,
+                hi: int) -> None:
+    """Writes `values` (int32 words, bitcast to the planes' dtype) as words `words` of
+    record(s) `record` of block `lead` where `mask` (all broadcast to values' shape; words
+    in [lo, hi], static): one masked store per part holding some of them, at the word's
+    own lane (another record sharing the lane row, and the slot's padding, keep theirs).
+
+    A masked-off lane addresses one lane past its plane's last: never a lane another lane
+    of the store writes (interpret mode writes back what a masked lane read, so two lanes
+    sharing an address could undo a write).
+    """
+    from jax.experimental.pallas import triton as pl_triton
+
+    shape = values.shape
+    for k, part in _touched(lay, lo, hi):
+        row, base = gpu_locate(part, record)
+        inside = mask & (words >= part.first) & (words < part.first + part.words)
+        lane = jnp.where(inside, base + words - part.first, part.lanes)
+        ref = planes[k]
+        out = values if values.dtype == ref.dtype else lax.bitcast_convert_type(values,
+                                                                                ref.dtype)
+        pl_triton.store(ref.at[_index(lead, row, lane, shape)], out,
+                        mask=jnp.broadcast_to(inside, shape))
+
+
+def records_of(lay: Layout, planes) -> int:
+    """Records a block of the stored array holds: the lane map's, or for a layout of whole
+    rows (no lane map: one array [..., rows, stored_width]) its rows."""
+    return planes[0].shape[-2] if lay.whole and lay.records == 1 else lay.records
+
+
+def gpu_loader(lay: Layout, planes, lead, record):
+    """`load` of `decode_gpu` for n records: `record` i32[n] of blocks `lead` (ints,
+    scalars or i32[n] each) of the planes; load(cols, lo, hi) gathers [n, L] words."""
+
+    def column(x):
+        return x[:, None] if jnp.ndim(x) == 1 else x
+
+    lead, record = tuple(column(i) for i in lead), column(record)
+    return lambda cols, lo, hi: gpu_gather(lay, planes, lead, record, cols, lo, hi)
+
+
+def gpu_float_values(lay: Layout, planes, lead, record, dims, lo: int, hi: int) -> jax.Array:
+    """f32 values of natural dims `dims` (i32, each in [lo, hi], static) of float rows
+    ("float32" words as they are, 16-bit floats from the low or high half of word
+    dim // 2), exactly; arguments as `gpu_gather`."""
+    if lay.fmt == "float32":
+        return gpu_gather(lay, planes, lead, record, dims, lo, hi)
+    if not lay.halves:
+        raise ValueError(f"gpu_float_values: {lay.fmt} rows are decoded into planes")
+    words = _as_i32(gpu_gather(lay, planes, lead, record, dims >> 1, lo // 2, hi // 2))
+    return jnp.where((dims & 1) == 1, half_value(lay.fmt, words, 1),
+                     half_value(lay.fmt, words, 0))
 
 
 def decode_gpu(lay: Layout, load) -> list[jax.Array]:
     """Planes (f32[n, plane_width] each) of rows read with `load`.
 
     Args:
-      load: load(cols) -> the rows' words at columns `cols` (i32[1, plane_width], in range)
-        as [n, plane_width] (one gathered load); load(None) -> the whole rows as stored (float
-        formats only).
+      load: load(cols, lo, hi) -> the rows' words at row words `cols` (i32[1, plane_width],
+        each in [lo, hi], static bounds) as [n, plane_width] (one gathered load per part
+        the bounds touch: `gpu_loader`).
+
+    Lanes that hold no dim (`Layout.lane_dims` -1) are 0 in every plane.
     """
-    if not lay.packed:
-        return [load(None).astype(_F32)]
     lane = lax.broadcasted_iota(jnp.int32, (1, lay.plane_width), 1)
+    if lay.fmt == "float32":
+        return [load(lane, 0, lay.width - 1).astype(_F32)]
+    if lay.halves:
+        last = lay.stored_width - 1
+        words = _as_i32(load(jnp.minimum(lane, last), 0, last))
+        return [jnp.where(2 * lane + j < lay.width, half_value(lay.fmt, words, j), 0.0)
+                for j in range(2)]
     codes = lane < lay.code_words
-    words = _as_i32(load(jnp.minimum(lane, lay.code_words - 1)))
+    words = _as_i32(load(jnp.minimum(lane, lay.code_words - 1), 0, lay.code_words - 1))
     block = jnp.minimum(lane // lay.words_per_block, lay.blocks - 1)
-    scale_words = _as_i32(load(lay.scale_word + block // 4))
+    scale_words = _as_i32(load(lay.scale_word + block // 4, lay.scale_word,
+                               lay.scale_word + (lay.blocks - 1) // 4))
     scale = scale_value((scale_words >> 8 * (block % 4)) & 0xFF)
     planes = []
     for j in range(lay.n_planes):
@@ -363,16 +782,18 @@ def decode_gpu(lay: Layout, load) -> list[jax.Array]:
         if lay.fmt == "fp8_latent" and lay.rope_dim:
             rope = j * lay.rope_lanes + lane - lay.code_words  # RoPE dim held by the lane
             inside = (~codes) & (rope < lay.rope_dim)
-            col = lay.code_words + jnp.clip(rope // 2, 0, lay.rope_dim // 2 - 1)
-            rope_words = _as_i32(load(col))
+            half = lay.rope_dim // 2
+            col = lay.code_words + jnp.clip(rope // 2, 0, half - 1)
+            rope_words = _as_i32(load(col, lay.code_words, lay.code_words + half - 1))
             value = jnp.where(rope % 2 == 0, bf16_low(rope_words), bf16_high(rope_words))
             plane = jnp.where(inside, value, plane)
         planes.append(plane)
     return planes
 
 
-__all__ = ["PACKED", "Layout", "check_stored", "decode_gpu", "decode_tpu", "from_planes",
-           "layout", "to_planes"]
+__all__ = ["PACKED", "Layout", "check_stored", "decode_gpu", "decode_tpu", "encode_gpu",
+           "from_planes", "gpu_encoder_planes", "gpu_float_values", "gpu_gather", "gpu_loader",
+           "gpu_scatter", "layout", "to_planes"]
 
 
 # --- encoders (compressor kernels, TPU) -----------------------------------------------------
@@ -403,10 +824,15 @@ def _pack_bytes(sources, fields, stored: int) -> jax.Array:
     return words
 
 
-def _or_scale_bytes(words: jax.Array, lay: Layout, scale_bytes) -> jax.Array:
+def _or_scale_bytes(words: jax.Array, lay: Layout, scale_bytes, first: int = 0,
+                    count: int | None = None) -> jax.Array:
+    """Words [G, n] of row words first .. with the scale bytes set (those in the range)."""
     lane = lax.broadcasted_iota(jnp.int32, words.shape, 1)
+    count = words.shape[1] if count is None else count
     for b, byte in enumerate(scale_bytes):
-        words = words | jnp.where(lane == lay.scale_word + b // 4, byte << 8 * (b % 4), 0)
+        at = lay.scale_word + b // 4 - first
+        if 0 <= at < count:
+            words = words | jnp.where(lane == at, byte << 8 * (b % 4), 0)
     return words
 
 
@@ -422,15 +848,56 @@ def _block_scales(lane, values, finite, count: int, size: int, fmax: float, floo
     return out
 
 
-def encode_tpu(lay: Layout, x: jax.Array) -> jax.Array:
-    """uint32 rows [G, stored_width] of f32 rows x [G, width] in natural order, exactly as
-    `storage.encode_fp8_latent` / `storage.encode_fp4_key` (which rotates first)."""
-    if not lay.packed:
-        raise ValueError(f"encode_tpu: {lay.fmt} rows are stored as they are")
-    g, width, stored = x.shape[0], lay.width, lay.stored_width
-    dim = lax.broadcasted_iota(jnp.int32, (width, stored), 0)
-    word = lax.broadcasted_iota(jnp.int32, (width, stored), 1)
+def f16_bits(x: jax.Array) -> jax.Array:
+    """IEEE half-precision bits (int32 in [0, 65536)) of f32 x: nearest even, overflow to
+    inf, NaN -> 0x7E00, the sign of zero kept (as XLA's f32 -> f16 convert)."""
+    nan = jnp.isnan(x)
+    sign = (_bits(x) >> 31) & 1
+    mag = jnp.abs(jnp.where(nan, 0.0, x))
+    bits = _bits(mag)
+    rounded = bits + 0xFFF + ((bits >> 13) & 1)  # round the mantissa to 10 bits
+    normal = ((((rounded >> 23) & 0xFF) - 112) << 10) | ((rounded >> 13) & 1023)
+    sub = _round_int(mag * np.float32(2.0 ** 24))  # below 2^-14: steps of 2^-24
+    code = jnp.where(mag < np.float32(2.0 ** -14), sub, normal)
+    code = jnp.where(mag >= np.float32(65520.0), 0x7C00, code) | (sign << 15)
+    return jnp.where(nan, 0x7E00, code)
+
+
+def encode_tpu(lay: Layout, x: jax.Array, part: Part | None = None) -> jax.Array:
+    """Stored words of f32 rows x [G, width] in natural order, exactly as `storage` encodes
+    them (`encode_fp8_latent`, `encode_fp4_key` which rotates first, 16-bit floats rounded
+    to nearest even; float32 rows as they are): [G, stored_width], or with `part` the part's
+    words at lanes [0, part.words) of [G, part.lanes] (0 on the other lanes). uint32, or
+    float32 for "float32" rows."""
+    g, width = x.shape[0], lay.width
+    first, count = (0, lay.stored_width) if part is None else (part.first, part.words)
+    cols = lay.stored_width if part is None else part.lanes
+    if lay.fmt == "float32" and first == 0 and count == width == cols:
+        return x.astype(_F32)
+    dim = lax.broadcasted_iota(jnp.int32, (width, cols), 0)
+    col = lax.broadcasted_iota(jnp.int32, (width, cols), 1)
+    word, live = col + first, col < count
     lane = lax.broadcasted_iota(jnp.int32, (g, width), 1)
+    blocks = []
+    if lay.fmt == "float32":
+        bits = _bits(x)
+        fields = tuple(((bits >> 8 * k) & 0xFF).astype(_F32) for k in range(4))
+
+        def sources(k, f):  # byte k of word w: byte k of dim w
+            return (live & (dim == word)).astype(_F32) if f == k else None
+
+        words = _pack_bytes(sources, fields, cols)
+        return _f32(words)
+    if lay.halves:
+        half = bf16_bits(x) if lay.fmt == "bfloat16" else f16_bits(x)
+        fields = ((half & 0xFF).astype(_F32), ((half >> 8) & 0xFF).astype(_F32))
+
+        def sources(k, f):  # byte k of word w: byte k % 2 of dim 2 w + k // 2
+            if f != k % 2:
+                return None
+            return (live & (dim == 2 * word + k // 2)).astype(_F32)
+
+        return lax.bitcast_convert_type(_pack_bytes(sources, fields, cols), jnp.uint32)
     if lay.fmt == "fp4_index":
         i = lax.broadcasted_iota(jnp.int32, (width, width), 0)
         j = lax.broadcasted_iota(jnp.int32, (width, width), 1)
@@ -460,9 +927,9 @@ def encode_tpu(lay: Layout, x: jax.Array) -> jax.Array:
                 select = rope_word & (dim == rope_dim)
             else:
                 return None
-            return select.astype(_F32)
+            return (live & select).astype(_F32)
 
-        words = _pack_bytes(sources, (low, high), stored)
+        words = _pack_bytes(sources, (low, high), cols)
     else:
         blocks = _block_scales(lane, x, finite, lay.blocks, FP4_BLOCK, FP4_MAX, FP4_AMAX_FLOOR)
         # `bad` as 0 / 1 floats: Mosaic cannot lay out a select between boolean vectors.
@@ -477,19 +944,21 @@ def encode_tpu(lay: Layout, x: jax.Array) -> jax.Array:
         codes = jnp.where(bad, 0, e2m1_code(q)).astype(_F32)
 
         def sources(k, f):  # byte k of word w: dims 8 w + 2 k (low nibble), 8 w + 2 k + 1
-            inside = word < lay.code_words
+            inside = live & (word < lay.code_words)
             low = inside & (dim == 8 * word + 2 * k)
             high = inside & (dim == 8 * word + 2 * k + 1)
             return jnp.where(low, 1.0, jnp.where(high, 16.0, 0.0)).astype(_F32)
 
-        words = _pack_bytes(sources, (codes,), stored)
-    words = _or_scale_bytes(words, lay, [byte for _, byte, _ in blocks])
+        words = _pack_bytes(sources, (codes,), cols)
+    words = _or_scale_bytes(words, lay, [byte for _, byte, _ in blocks], first, count)
     return lax.bitcast_convert_type(words, jnp.uint32)
 
 
 # --- encoders (compressor kernels, GPU) -----------------------------------------------------
 # Triton has no lane shuffles, so the GPU compressor pools each word's dims straight into
-# planes (its gathers take any column map) and packs planes lane by lane: no relayout.
+# planes (its gathers take any column map) and packs planes lane by lane: no relayout. The
+# words come out as *segments*, (first word, stride, int32 words [G, L], n): lane l < n holds
+# row word first + stride * l (L, a power of two, may exceed n), which `gpu_scatter` writes.
 
 def gpu_encoder_planes(lay: Layout) -> tuple[tuple[int, int, int], ...]:
     """The planes `encode_gpu` takes, as (first dim, stride, lanes): plane lane l holds
@@ -498,6 +967,8 @@ def gpu_encoder_planes(lay: Layout) -> tuple[tuple[int, int, int], ...]:
     fp8_latent: per scale block b and byte j, the 16 dims 64 b + j + 4 l of code words
     16 b + l; then the even and the odd RoPE dims (low / high halves of the RoPE words).
     fp4_index: per nibble j the c / 8 dims j + 8 l of the ROTATED key (`hadamard_planes`).
+    float formats: the even and the odd dims (each other's RoPE partners; a 16-bit word
+    holds one of each).
     """
     if lay.fmt == "fp8_latent":
         wpb = lay.words_per_block
@@ -507,7 +978,10 @@ def gpu_encoder_planes(lay: Layout) -> tuple[tuple[int, int, int], ...]:
         return tuple(planes)
     if lay.fmt == "fp4_index":
         return tuple((j, 8, lay.code_words) for j in range(8))
-    raise ValueError(f"gpu_encoder_planes: {lay.fmt} rows are stored as they are")
+    if lay.width % 2:
+        raise ValueError(f"gpu_encoder_planes: {lay.fmt} rows of odd width {lay.width} have "
+                         "no even / odd planes of one lane count")
+    return ((0, 2, lay.width // 2), (1, 2, lay.width // 2))
 
 
 def hadamard_planes(lay: Layout, x: jax.Array, first_dim: int, stride: int = 1
@@ -525,18 +999,54 @@ def hadamard_planes(lay: Layout, x: jax.Array, first_dim: int, stride: int = 1
             for j in range(8)]
 
 
-def encode_gpu(lay: Layout, planes) -> list[tuple[int, jax.Array, int]]:
-    """Stored words of f32 rows given as the planes of `gpu_encoder_planes`, exactly as
-    `storage.encode_fp8_latent` / `storage.encode_fp4_key(rotated=True)` encode those rows.
+def _float_segments(lay: Layout, planes, groups) -> list[tuple[int, int, jax.Array, int]]:
+    """Segments of float rows given as planes of natural dims `groups` ((first dim, stride,
+    lanes) each): "float32" a segment per plane (the values' bits); 16-bit floats a segment
+    per pair of consecutive planes (even dims, then the odd dims after them: word d // 2 of
+    an even dim d holds d in its low half, d + 1 in its high half), rounded to nearest even
+    as XLA's converts round."""
+    if lay.fmt == "float32":
+        return [(first, stride, _bits(p), lanes)
+                for (first, stride, lanes), p in zip(groups, planes, strict=True)]
+    if len(groups) % 2:
+        raise ValueError(f"encode_gpu: {lay.fmt} words hold pairs of dims; got {len(groups)} "
+                         "planes")
+    bits = bf16_bits if lay.fmt == "bfloat16" else f16_bits
+    out = []
+    for k in range(0, len(groups), 2):
+        (first, stride, lanes), odd = groups[k], groups[k + 1]
+        if first % 2 or stride % 2 or odd != (first + 1, stride, lanes):
+            raise ValueError(f"encode_gpu: {lay.fmt} planes pair even dims with the odd dims "
+                             f"after them; got {groups[k]} and {odd}")
+        words = bits(planes[k]) | (bits(planes[k + 1]) << 16)
+        out.append((first // 2, stride // 2, words, lanes))
+    return out
+
+
+def encode_gpu(lay: Layout, planes, groups=None) -> list[tuple[int, int, jax.Array, int]]:
+    """Stored words of f32 rows given as planes, exactly as `storage` encodes those rows
+    (`encode_fp8_latent`, `encode_fp4_key(rotated=True)`, 16-bit floats rounded to nearest
+    even, "float32" values as they are).
+
+    Args:
+      planes: f32[G, lanes] per plane of `groups`.
+      groups: (first dim, stride, lanes) per plane; default `gpu_encoder_planes(lay)`, the
+        only planes of a packed format. Float rows may be given by any planes of their dims
+        (16-bit floats: pairs of even and odd dims, `_float_segments`), e.g. a run of a row.
 
     Returns:
-      (first word, int32 words [G, L], n): words first .. first + n - 1 of the rows are
-      lanes [0, n) of the words (L, a power of two, may exceed n).
+      Segments (first word, stride, int32 words [G, L], n): lane l < n of the words is row
+      word first + stride * l (L, a power of two, may exceed n).
     """
-    lanes_of = gpu_encoder_planes(lay)
+    lanes_of = gpu_encoder_planes(lay) if groups is None else tuple(groups)
     if len(planes) != len(lanes_of):
         raise ValueError(f"encode_gpu: {lay.fmt} takes {len(lanes_of)} planes; got "
                          f"{len(planes)}")
+    if not lay.packed:
+        return _float_segments(lay, planes, lanes_of)
+    if lanes_of != gpu_encoder_planes(lay):
+        raise ValueError(f"encode_gpu: {lay.fmt} rows are encoded from the planes of "
+                         f"gpu_encoder_planes; got {lanes_of}")
     out, scale_bytes = [], []
     if lay.fmt == "fp8_latent":
         wpb = lay.words_per_block
@@ -549,11 +1059,11 @@ def encode_gpu(lay: Layout, planes) -> list[tuple[int, jax.Array, int]]:
             scale = scale_value(byte)
             words = functools.reduce(jnp.bitwise_or, [
                 e4m3_code(p / scale) << 8 * j for j, p in enumerate(block)])
-            out.append((wpb * b, words, wpb))
+            out.append((wpb * b, 1, words, wpb))
             scale_bytes.append(byte)
         if lay.rope_dim:
             even, odd = planes[4 * lay.blocks:]
-            out.append((lay.code_words, bf16_bits(even) | (bf16_bits(odd) << 16),
+            out.append((lay.code_words, 1, bf16_bits(even) | (bf16_bits(odd) << 16),
                         lay.rope_dim // 2))
     else:
         lane = lax.broadcasted_iota(jnp.int32, (1, lay.code_words), 1)
@@ -573,12 +1083,12 @@ def encode_gpu(lay: Layout, planes) -> list[tuple[int, jax.Array, int]]:
             scale_bytes.append(byte)
         codes = [jnp.where(bad, 0, e2m1_code(jnp.clip(jnp.where(bad, 0.0, p / scale),
                                                       -FP4_MAX, FP4_MAX))) for p in planes]
-        out.append((0, functools.reduce(jnp.bitwise_or, [c << 4 * j for j, c in
-                                                         enumerate(codes)]),
+        out.append((0, 1, functools.reduce(jnp.bitwise_or, [c << 4 * j for j, c in
+                                                            enumerate(codes)]),
                     lay.code_words))
     n_scale = _ceil_div(lay.blocks, 4)
     lane = lax.broadcasted_iota(jnp.int32, (1, next_power_of_two(n_scale)), 1)
     words = functools.reduce(jnp.bitwise_or, [
         jnp.where(lane == b // 4, byte << 8 * (b % 4), 0) for b, byte in enumerate(scale_bytes)])
-    out.append((lay.scale_word, words, n_scale))
+    out.append((lay.scale_word, 1, words, n_scale))
     return out

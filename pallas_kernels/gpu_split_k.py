@@ -1,9 +1,10 @@
 """The split-K launch shared by the GPU decode attention kernels (CSA sparse, HCA dense).
 
-Grid (slot, head block, split): every program reads the scalars and the window and entry
-pools whole (Triton indexes them itself), its head block of query planes, and writes the
-partial softmax state (accumulator planes, max, sum) of its split. XLA then merges the splits
-with the sink (`decode.combine_partials`), puts the planes back in natural order and
+Grid (slot, head block, split): every program reads the scalars and the planes of the window
+and entry arrays whole (Triton indexes them itself: a record's words are gathered from the
+lanes its parts give them, `formats.gpu_loader`), its head block of query planes, and writes
+the partial softmax state (accumulator planes, max, sum) of its split. XLA then merges the
+splits with the sink (`decode.combine_partials`), puts the planes back in natural order and
 de-rotates the output by -q_pos (a lane-pair exchange has no Triton equivalent in Pallas).
 """
 
@@ -17,32 +18,16 @@ from pallas_kernels import decode, formats
 from pallas_kernels.common import MASK_VALUE, triton_compiler_params
 
 
-def row_loader(ref, lead: tuple, rows: tuple, whole_rows=None):
-    """`load` of `formats.decode_gpu` for rows ref[*lead, *rows] (rows: i32[n] each).
-
-    load(cols) gathers [n, len(cols)] words; load(None) reads the whole rows, as
-    `ref[*lead, *whole_rows, :]` when given (a contiguous slice), else gathered by `rows`.
-    """
-
-    def load(cols):
-        if cols is None:
-            return ref[(*lead, *(whole_rows or rows), slice(None))]
-        shape = (rows[0].shape[0], cols.shape[-1])
-        index = [jnp.broadcast_to(r[:, None], shape) for r in rows]
-        return ref[(*lead, *index, jnp.broadcast_to(cols, shape))]
-
-    return load
-
-
-def fold_window(state, groups: decode.KeyGroups, q, window_ref, layer, slot, q_pos, kv_end, *,
-                window: int, window_block: int, scale: float):
-    """Folds the whole ring of (layer, slot), `window_block` rows at a time (tiles of the
-    ring, not all W rows), decoded in the window group's layout."""
+def fold_window(state, groups: decode.KeyGroups, q, window_refs, layer, slot, q_pos, kv_end,
+                *, window: int, window_block: int, scale: float):
+    """Folds the whole ring of (layer, slot) (`window_refs`: the ring's planes),
+    `window_block` rows at a time (tiles of the ring, not all W rows), decoded in the window
+    group's layout."""
     g = groups.window
     for first in range(0, window, window_block):
         rows = first + jnp.arange(window_block, dtype=jnp.int32)
-        load = row_loader(window_ref, (layer, slot), (rows,), (pl.ds(first, window_block),))
-        ring = formats.decode_gpu(groups.layouts[g], load)
+        load = formats.gpu_loader(groups.window_layout, window_refs, (layer, slot), rows)
+        ring = formats.decode_gpu(groups.window_layout, load)
         state = decode.fold_window(state, q[g], ring, q_pos, kv_end, window, scale, first, g)
     return state
 
@@ -53,14 +38,14 @@ def empty_state(groups: decode.KeyGroups, heads: int):
             groups.zero_accs(heads))
 
 
-def first_state(split, groups: decode.KeyGroups, q, window_ref, layer, slot, q_pos, kv_end, *,
-                window: int, window_block: int, scale: float):
+def first_state(split, groups: decode.KeyGroups, q, window_refs, layer, slot, q_pos, kv_end,
+                *, window: int, window_block: int, scale: float):
     """The state a split starts from: the whole window folded in by split 0, nothing by the
     others (each key is counted once across the splits)."""
     state = empty_state(groups, q[0][0].shape[0])
     return jax.lax.cond(
         split == 0,
-        lambda s: fold_window(s, groups, q, window_ref, layer, slot, q_pos, kv_end,
+        lambda s: fold_window(s, groups, q, window_refs, layer, slot, q_pos, kv_end,
                               window=window, window_block=window_block, scale=scale),
         lambda s: s, state)
 
@@ -80,11 +65,12 @@ def split_k_decode(kernel, scalars, groups: decode.KeyGroups, q, window, entries
     """Runs `kernel` over (slot, head block, split) and finishes its partial states.
 
     Args:
-      kernel: refs (*scalars, *query planes per group, window, entries, *accumulator planes
-        per group, max, sum).
+      kernel: refs (*scalars, *query planes per group, *window planes, *entry planes,
+        *accumulator planes per group, max, sum).
       scalars: i32 arrays passed whole.
       groups: the key layouts; q: f32[B, H, hd] queries.
-      window, entries: the window rings and the kind's Classical array, as stored.
+      window, entries: the planes of the window rings and of the kind's Classical array, as
+        stored (tuples of arrays, one per part).
       sink: f32[H]; q_pos: i32[B]; lane_freq: f32[1, hd].
 
     Returns:
@@ -115,7 +101,7 @@ def split_k_decode(kernel, scalars, groups: decode.KeyGroups, q, window, entries
         kernel,
         grid=(batch, padded_heads // bh, num_splits),
         in_specs=[*(whole(x) for x in scalars), *(planes_of(lay) for lay in groups.layouts),
-                  whole(window), whole(entries)],
+                  *(whole(x) for x in window), *(whole(x) for x in entries)],
         out_specs=[*(partial_planes(lay) for lay in groups.layouts), partial(1), partial(1)],
         out_shape=[*(jax.ShapeDtypeStruct(
             (batch, num_splits, lay.n_planes, padded_heads, lay.plane_width), f32)
@@ -124,7 +110,7 @@ def split_k_decode(kernel, scalars, groups: decode.KeyGroups, q, window, entries
         compiler_params=triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
-    )(*scalars, *queries, window, entries)
+    )(*scalars, *queries, *window, *entries)
     *accs, m, denom = outs
     merged = decode.combine_partials([a[:, :, :, :heads] for a in accs], m[:, :, :heads, 0],
                                      denom[:, :, :heads, 0], sink)

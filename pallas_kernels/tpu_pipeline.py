@@ -13,24 +13,32 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import lanes
 
-def block_copies(copy, valid, count: int, on_skip=None):
+
+def block_copies(copy, valid, count: int, on_skip=None, on_copy=None):
     """(start, wait): issue / await the copies of block j into buffer slot `slot`.
 
     Args:
-      copy: copy(j, i, slot) -> the async copy descriptor of item i of block j.
+      copy: copy(j, i, slot) -> the async copy descriptor(s) of item i of block j (one, or
+        a list: one per plane of a stored array).
       valid: valid(j, i) -> bool, whether item i of block j is copied.
       count: items per block.
       on_skip: on_skip(j, i, slot), run by `start` for each item that is not copied.
+      on_copy: on_copy(j, i, slot), run by `start` for each item that is copied.
     """
 
-    def each(j, slot, action, skip=None):
+    def each(j, slot, action, skip=None, copied=None):
         def one(i, carry):
             ok = valid(j, i)
 
             @pl.when(ok)
             def _():
-                action(copy(j, i, slot))
+                copies = copy(j, i, slot)
+                for c in copies if isinstance(copies, (list, tuple)) else (copies,):
+                    action(c)
+                if copied is not None:
+                    copied(j, i, slot)
 
             if skip is not None:
                 @pl.when(jnp.logical_not(ok))
@@ -42,7 +50,7 @@ def block_copies(copy, valid, count: int, on_skip=None):
         jax.lax.fori_loop(0, count, one, 0)
 
     def start(j, slot):
-        each(j, slot, lambda c: c.start(), on_skip)
+        each(j, slot, lambda c: c.start(), on_skip, on_copy)
 
     def wait(j, slot):
         each(j, slot, lambda c: c.wait())
@@ -50,12 +58,14 @@ def block_copies(copy, valid, count: int, on_skip=None):
     return start, wait
 
 
-def page_block_copies(table_ref, row, hbm, layer, buf, sems, *, num_pages, pages_per_block: int,
-                      entries_per_page: int, max_pages: int):
+def page_block_copies(table_ref, row, planes, layer, bufs, sems, *, num_pages,
+                      pages_per_block: int, max_pages: int):
     """(start, wait) for whole pages: block j holds pages j * pages_per_block + i (i <
-    pages_per_block) of page-table row `row`, copied from hbm[layer, page] to rows
-    i * entries_per_page.. of buf[slot]. Pages at or past `num_pages`, and absent pages (-1),
-    are not copied (their buffer rows keep stale data: the caller masks them).
+    pages_per_block) of page-table row `row`; each plane of the stored array (`planes`, HBM
+    refs [n_layers, num_pages, rows, lanes]) copies page `page`'s lane rows to rows
+    i * rows.. of its buffer (`bufs`, [2, pages_per_block * rows, lanes] each). Pages at or
+    past `num_pages`, and absent pages (-1), are not copied (their buffer rows keep stale
+    data: the caller masks them).
 
     Args:
       table_ref: the flattened page table (scalar prefetch), i32[B * max_pages].
@@ -64,8 +74,12 @@ def page_block_copies(table_ref, row, hbm, layer, buf, sems, *, num_pages, pages
 
     def page_copy(j, i, slot):
         page = jnp.maximum(table_ref[row * max_pages + j * pages_per_block + i], 0)
-        dst = buf.at[slot, pl.ds(i * entries_per_page, entries_per_page)]
-        return pltpu.make_async_copy(hbm.at[layer, page], dst, sems.at[slot])
+        copies = []
+        for hbm, buf in zip(planes, bufs, strict=True):
+            rows = hbm.shape[-2]
+            dst = buf.at[slot, pl.ds(i * rows, rows)]
+            copies.append(pltpu.make_async_copy(hbm.at[layer, page], dst, sems.at[slot]))
+        return copies
 
     def copied(j, i):
         col = j * pages_per_block + i
@@ -102,17 +116,27 @@ def per_row(shape):
     return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
 
 
-def query_window_specs(groups, heads: int, window_len: int, window_width: int) -> list:
-    """In-specs of (query planes per group [B, n_planes, H, plane_width], sink [H, 1], window
-    rings [n_layers, max_slots, W, stored width]) for a decode attention kernel whose first
-    prefetched scalars are (layers, q_pos, kv_end, slot_ids): the ring block is
+def query_window_specs(groups, heads: int, window) -> list:
+    """In-specs of (query planes per group [B, n_planes, H, plane_width], sink [H, 1], the
+    window rings' planes [n_layers, max_slots, rows, lanes]) for a decode attention kernel
+    whose first prefetched scalars are (layers, q_pos, kv_end, slot_ids): each ring block is
     (layers[0], slot)."""
     return [
         *(per_row((lay.n_planes, heads, lay.plane_width)) for lay in groups.layouts),
         pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
-        pl.BlockSpec((None, None, window_len, window_width),
-                     lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0)),
+        *(pl.BlockSpec((None, None, *x.shape[-2:]),
+                       lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0))
+          for x in window),
     ]
+
+
+def window_rows(lay, refs, window: int):
+    """The window ring's rows as `formats.decode_tpu` takes them: (per part, [W, lanes]
+    int32 words, one lane row per ring row; per part, its slots or None), from the ring
+    blocks' VMEM refs."""
+    tiles = [lanes.expand(ref[...], part, window) for ref, part in zip(refs, lay.parts,
+                                                                       strict=True)]
+    return tiles, [lanes.slots(part, window, window) for part in lay.parts]
 
 
 def output_specs(groups, heads: int):

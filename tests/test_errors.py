@@ -293,7 +293,8 @@ def test_padding_rows_with_slot_minus_one_are_accepted_and_inert():
     cache, out = step.append_and_attend(cache, vec, q, DATA.weights, [0, -1], [4, 0])
     assert int(cache.state.lengths[0]) == 4
     assert not np.asarray(out)[:, 1].any()
-    _assert_same(pools.window_ring(before)[:, 1:], np.asarray(pools.window_ring(cache)[:, 1:]))
+    _assert_same(pools.window_ring(before)[:, 1:].records(),
+                 np.asarray(pools.window_ring(cache)[:, 1:].records()))
 
 
 def test_decode_attention_all_checks_slots_and_queries():
@@ -340,8 +341,11 @@ def test_the_read_door_names_its_bad_arguments():
         read("csa")
     with pytest.raises(ValueError, match=r"q_pos: expected shape \(2, 1\); got shape \(2,\)"):
         read(q_pos=ends)
-    with pytest.raises(ValueError, match=r"window.ring: expected shape"):
+    with pytest.raises(ValueError, match=r"window.ring: expected blocks \[2\]; got blocks "
+                                         r"\[3\]"):
         read(window=window.replace(ring=pools.window_ring(cache)[layer]))
+    with pytest.raises(TypeError, match=r"window.ring: expected a pools.Lanes"):
+        read(window=window.replace(ring=pools.window_ring(cache)[layer, :2].records()))
     with pytest.raises(ValueError, match=r"stored.index_keys: expected the stored array of a "
                                          r"CSA layer; got None"):
         read(stored=stored.replace(index_keys=None))

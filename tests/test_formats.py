@@ -64,7 +64,7 @@ def _stored_entries(cache, name, slot, count):
     epp = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[slot])
     idx = np.arange(count)
-    return np.asarray(pools.entries(cache, spec))[:, table[idx // epp], idx % epp]
+    return np.asarray(pools.entries(cache, spec).records())[:, table[idx // epp], idx % epp]
 
 
 def _run(model, geometry, data, plan, chunk=32):
@@ -247,7 +247,11 @@ def test_flash_and_pro_bytes_in_the_release_formats():
     assert pools.state_bytes_per_request(v4.pro(), flash) == (
         61 * 128 * 584 + 30 * 8 * (1024 + 256) * 8 + 31 * 3 * 512 * 4 + 8)
     # one page: 32 C4 entries and keys per CSA layer, one C128 entry per HCA layer
-    assert pools.page_bytes(v4.flash(), flash) == 21 * 32 * (584 + 68) + 20 * 584
+    assert pools.page_logical_bytes(v4.flash(), flash) == 21 * 32 * (584 + 68) + 20 * 584
+    # as stored: an entry of 146 words in 128 + 16 + 4 lanes, its keys of 17 in 16 + 4, and
+    # the HCA page's one entry in two lane rows
+    assert pools.page_bytes(v4.flash(), flash) == 21 * 32 * (148 + 20) * 4 + 20 * 256 * 4
+    assert pools.state_logical_bytes_per_request(v4.flash(), flash) == state
     ring = dataclasses.replace(flash, hca_tail="ring")
     assert pools.state_bytes_per_request(v4.flash(), ring) == (
         state - 20 * 3 * 512 * 4 + 20 * 128 * 512 * 4 * 2)
@@ -258,10 +262,12 @@ def test_v4kv_memory_reports_the_release_formats_for_flash_and_pro(capsys):
     out = capsys.readouterr().out
     assert "entries fp8_latent (584 B), indexer keys fp4_index (68 B)" in out
     assert "total 3514.25 B" in out and "State 4.82 MiB (5,057,544 B)" in out
-    assert "page padding 0.00 %" in out
+    # As stored (lane-dense pools): 3,688 B a token, x1.049 of the rows' own bytes.
+    assert "as stored (lane-dense pools): CSA 3528.00 B, HCA 160.00 B, total 3688.00 B" in out
+    assert "(x1.049 of the entries' own bytes)" in out
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1000000"]) == 0
-    padding = float(capsys.readouterr().out.split("page padding ")[1].split(" %")[0])
-    assert 0 < padding < 1
+    overhead = float(capsys.readouterr().out.split("pages (x")[1].split(" of the")[0])
+    assert 1.049 < overhead < 1.06  # a partly filled last page on top
     assert cli.main(["memory", "--preset", "pro", "--tokens", "1048576"]) == 0
     assert "total 5031.44 B" in capsys.readouterr().out
 
@@ -279,9 +285,15 @@ def test_memory_report_counts_the_stored_bytes(formats):
     row = {name: storage.codec(WIDE, geometry, name).row_bytes for name in ("csa", "csa_index")}
     assert report.entry_bytes == (row["csa"] + row["csa_index"]) * (130 // 4 + 40 // 4) + (
         row["csa"] * (130 // 16 + 40 // 16))
+    # Logical bytes: the rows' own; stored: the planes', padding included.
+    assert report.page_logical_bytes == (row["csa"] + row["csa_index"]) * 32 + row["csa"] * 8
+    assert report.page_logical_bytes <= report.page_bytes
+    stored, logical = report.stored_bytes_per_token, report.classical_bytes_per_token
+    assert stored["total"] * 128 == report.page_bytes and logical["total"] * 128 == (
+        report.page_logical_bytes)
     if formats == "release":
-        assert pools.csa_entries(cache).c4.shape == (1, 3, 32, 146)
-        assert pools.csa_entries(cache).index_keys.shape == (1, 3, 32, 17)
+        assert pools.csa_entries(cache).c4.records().shape == (1, 3, 32, 146)
+        assert pools.csa_entries(cache).index_keys.records().shape == (1, 3, 32, 17)
         assert pools.csa_entries(cache).c4.dtype == jnp.uint32
         assert isinstance(pools.hca_tail(cache), pools.OnlineTail)
 
@@ -497,16 +509,20 @@ def test_kernels_on_packed_pools_and_online_tails_never_read_unowned_rows(implem
 def test_poison_fills_unowned_packed_rows_with_nan_words():
     cache = synthetic.random_cache(TINY, RELEASE, [40], fill_unused=float("nan"))
     poisoned = synthetic.poison_unowned(cache)
-    c4 = np.asarray(pools.csa_entries(poisoned).c4)
+    c4 = np.asarray(pools.csa_entries(poisoned).c4.records())
     assert (c4[:, 0, 10:] == 0xFFFFFFFF).all() and (c4[:, 1:] == 0xFFFFFFFF).all()
     assert (c4[:, 0, :10] != 0xFFFFFFFF).any()
     decode = jax.jit(storage.codec(TINY, RELEASE, "csa").decode)
     assert np.isnan(np.asarray(decode(c4[:, 1]))).all()
-    ring = np.asarray(pools.window_ring(poisoned))
+    ring = np.asarray(pools.window_ring(poisoned).records())
     assert (ring[:, 1:] == 0xFFFFFFFF).all() and (ring[:, 0, 24:] != 0xFFFFFFFF).all()
     hca = pools.hca_tail(poisoned)  # 40 % 16 = 8 tokens in the open block: owned
-    assert not np.isnan(np.asarray(hca.sum[:, 0])).any()
-    assert np.isnan(np.asarray(hca.sum[:, 1:])).all()
+    assert not np.isnan(np.asarray(hca.sum[:, 0].records())).any()
+    assert np.isnan(np.asarray(hca.sum[:, 1:].records())).all()
+    # Padding lanes and rows (read by no one) are poisoned too: every plane word of a page
+    # no request holds is the NaN word.
+    for plane in pools.csa_entries(poisoned).c4[:, 1:].planes:
+        assert (np.asarray(plane) == 0xFFFFFFFF).all()
 
 
 def test_snapshot_round_trip_with_packed_window_and_online_tails():
@@ -517,7 +533,8 @@ def test_snapshot_round_trip_with_packed_window_and_online_tails():
     snap = pools.snapshot_state(cache, 0)
     assert snap.window.dtype == jnp.uint32 and isinstance(snap.tails["hca"], pools.OnlineTail)
     keep = jax.tree.map(np.asarray, snap)
-    wiped = pools.with_window_ring(cache, jnp.full_like(pools.window_ring(cache), 0xFFFFFFFF))
+    wiped = pools.with_window_ring(cache, jax.tree.map(lambda x: jnp.full_like(x, 0xFFFFFFFF),
+                                                       pools.window_ring(cache)))
     for spec in wiped.specs:
         wiped = pools.with_tail(wiped, spec, jax.tree.map(
             lambda x: jnp.full_like(x, jnp.nan), pools.tail(wiped, spec)))

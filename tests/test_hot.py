@@ -86,8 +86,9 @@ def test_reads_through_the_hot_set_equal_reads_from_the_pool(runs, hot_rows):
 def test_every_held_row_is_a_copy_of_its_stored_entry(runs, hot_rows):
     cache, _ = runs[hot_rows]
     hs = pools.hot_set(cache)
-    held, used = np.asarray(hs.held), np.asarray(hs.used)
-    rows, c4 = np.asarray(hs.rows), np.asarray(pools.csa_entries(cache).c4)
+    held, used = np.asarray(hs.held.records())[..., 0], np.asarray(hs.used.records())[..., 0]
+    rows = np.asarray(hs.rows.records())
+    c4 = np.asarray(pools.csa_entries(cache).c4.records())
     table = np.asarray(pools.page_table(cache))
     epp = cache.geometry.entries_per_page(MODEL.csa_ratio)
     assert held.shape == (MODEL.num_csa, 3, hot_rows)
@@ -106,35 +107,44 @@ def test_a_group_reuses_held_rows_and_evicts_the_least_recently_used():
     # Four hot rows; entry e of the row's sequence is stored as the value 100 * page + row.
     epp = 4
     entries = (100 * jnp.arange(3)[:, None] + jnp.arange(epp)[None, :]).astype(jnp.float32)
-    entries = jnp.broadcast_to(entries[None, :, :, None], (1, 3, epp, 2))
+    entries = pools.LaneMap(2, epp, jnp.float32).pack(
+        jnp.broadcast_to(entries[None, :, :, None], (1, 3, epp, 2)))
     page_rows = jnp.array([[2, 0, 1, -1]], jnp.int32)  # entries 0-3 page 2, 4-7 page 0, ...
-    state = pools.HotSet(rows=jnp.zeros((1, 4, 2)), held=jnp.array([[0, 6, 3, 0]]),
-                         used=jnp.array([[0, 3, 7, 0]]))
+    ids = pools.LaneMap(1, 4, jnp.int32)
+    state = pools.HotSet(rows=pools.LaneMap(2, 4, jnp.float32).zeros((1,)),
+                         held=ids.pack(jnp.array([[0, 6, 3, 0]])[..., None]),
+                         used=ids.pack(jnp.array([[0, 3, 7, 0]])[..., None]))
 
     def resident(picks, pos):
         return hot.resident(jnp.array(picks, jnp.int32), jnp.array(pos, jnp.int32), state,
                             entries, 0, page_rows)
 
+    def held_used_rows(state):
+        return hot.hot_ids(state.held), hot.hot_ids(state.used), state.rows.records()
+
     # Entry 2 is held (row 2); 9 is fetched into the first empty row; 13's page is absent.
     rows, state = resident([[[2, 9, 13]]], [[10]])
+    held, used, stored = held_used_rows(state)
     np.testing.assert_array_equal(rows, [[[2, 0, -1]]])
-    np.testing.assert_array_equal(state.held, [[10, 6, 3, 0]])
-    np.testing.assert_array_equal(state.used, [[11, 3, 11, 0]])
-    np.testing.assert_array_equal(state.rows[0, 0], [101, 101])  # entry 9: page 1, row 1
+    np.testing.assert_array_equal(held, [[10, 6, 3, 0]])
+    np.testing.assert_array_equal(used, [[11, 3, 11, 0]])
+    np.testing.assert_array_equal(stored[0, 0], [101, 101])  # entry 9: page 1, row 1
     # No hit: 7 takes the empty row 3, 8 evicts entry 5 (row 1, last used at clock 3).
     rows, state = resident([[[7, 8, -1]]], [[11]])
+    held, used, stored = held_used_rows(state)
     np.testing.assert_array_equal(rows, [[[3, 1, -1]]])
-    np.testing.assert_array_equal(state.held, [[10, 9, 3, 8]])
-    np.testing.assert_array_equal(state.used, [[11, 12, 11, 12]])
-    np.testing.assert_array_equal(state.rows[0, 1], [100, 100])  # entry 8: page 1, row 0
-    np.testing.assert_array_equal(state.rows[0, 3], [3, 3])  # entry 7: page 0, row 3
+    np.testing.assert_array_equal(held, [[10, 9, 3, 8]])
+    np.testing.assert_array_equal(used, [[11, 12, 11, 12]])
+    np.testing.assert_array_equal(stored[0, 1], [100, 100])  # entry 8: page 1, row 0
+    np.testing.assert_array_equal(stored[0, 3], [3, 3])  # entry 7: page 0, row 3
     # Two queries picking the same new entries fetch each once, into one row each (8 is
     # held: its row is not evicted; 4 and 6 take the rows last used at clock 11).
     rows, state = resident([[[4, 6, -1], [6, 4, 8]]], [[12, 13]])
+    held, used, stored = held_used_rows(state)
     np.testing.assert_array_equal(rows, [[[0, 2, -1], [2, 0, 1]]])
-    np.testing.assert_array_equal(state.held, [[5, 9, 7, 8]])
-    np.testing.assert_array_equal(state.used, [[14, 14, 14, 12]])
-    np.testing.assert_array_equal(state.rows[0, :3, 0], [0, 100, 2])  # entries 4, 8, 6
+    np.testing.assert_array_equal(held, [[5, 9, 7, 8]])
+    np.testing.assert_array_equal(used, [[14, 14, 14, 12]])
+    np.testing.assert_array_equal(stored[0, :3, 0], [0, 100, 2])  # entries 4, 8, 6
 
 
 def _assign_by_hand(picks, clock, held, used):
@@ -212,7 +222,7 @@ def test_unowned_hot_rows_are_never_read(data):
     clean, _ = decode_once(new_cache(MODEL, geometry(24)), data, OPTIONS)
     poisoned, cache = decode_once(new_cache(MODEL, geometry(24)), data, OPTIONS, poison=True)
     np.testing.assert_array_equal(poisoned, clean)
-    assert np.isnan(np.asarray(pools.hot_set(cache).rows)[:, 2]).all()  # slot 2: not live
+    assert np.isnan(np.asarray(pools.hot_set(cache).rows.records())[:, 2]).all()  # not live
 
 
 @pytest.mark.xla_defaults
@@ -220,11 +230,11 @@ def test_a_new_or_restored_sequence_starts_with_an_empty_hot_set(runs):
     cache, _ = runs[8]
     snapshot = pools.snapshot_state(cache, 1)
     restored = pools.restore_state(cache, 1, snapshot)
-    held = np.asarray(pools.hot_set(restored).held)
+    held = np.asarray(hot.hot_ids(pools.hot_set(restored).held))
     assert (held[:, 1] == 0).all() and (held[:, 0] > 0).all()
     assert_same_bits(without_hot_set(restored), without_hot_set(cache))
     reset = v4.reset_slot(v4.release_slot(cache, 0), 0)
-    assert (np.asarray(pools.hot_set(reset).held)[:, 0] == 0).all()
+    assert (np.asarray(hot.hot_ids(pools.hot_set(reset).held))[:, 0] == 0).all()
 
 
 @pytest.mark.xla_defaults
@@ -233,17 +243,23 @@ def test_the_memory_report_counts_the_hot_sets_and_the_host_tier(runs):
     report, without = pools.memory_report(cache), pools.memory_report(runs[0][0])
     assert report.state_bytes_total == 3 * report.state_bytes_per_request
     c4_row = pools.codec(cache, "csa").row_bytes
-    assert report.state_bytes_per_request - without.state_bytes_per_request == (
+    assert report.state_logical_bytes_per_request - without.state_logical_bytes_per_request == (
         MODEL.num_csa * 24 * (c4_row + 8))
+    # As stored: 24 rows of 32 words, four to a lane row, in 8 lane rows (6 rounded up to a
+    # multiple of 8); held and used, 24 words each in one lane row.
+    lanes = cache.layout.lanes
+    assert (lanes["hot"].block_bytes, lanes["hot_ids"].block_bytes) == (8 * 512, 512)
+    assert report.state_bytes_per_request - without.state_bytes_per_request == (
+        MODEL.num_csa * (8 * 512 + 2 * 512))
     c4_bytes = pools.csa_entries(cache).c4.nbytes
     classical = sum(x.nbytes for x in jax.tree.leaves(cache.classical))
     assert report.host_bytes == {"classical": c4_bytes, "state": 0}
     assert report.device_bytes == {"classical": classical - c4_bytes,
                                    "state": report.state_bytes_total}
     assert without.host_bytes == {"classical": 0, "state": 0}
-    per_token = report.classical_bytes_per_token
+    per_token = report.stored_bytes_per_token
     assert report.device_bytes_per_token == per_token["total"] - (
-        MODEL.num_csa * c4_row / MODEL.csa_ratio)
+        MODEL.num_csa * c4_row / MODEL.csa_ratio)  # C4 entries: 32 rows in 8 full lane rows
     # The host tier's capacity, and what the slots need at full length: 3 requests of 4 pages
     # of 128 tokens, 32 C4 entries a page in each CSA layer.
     per_request = MODEL.num_csa * 4 * 32 * c4_row
@@ -311,7 +327,8 @@ def test_an_engine_chat_with_hits_from_every_tier_gives_the_bits_of_the_device_e
 
 def test_host_c4_entries_need_a_hot_set_of_two_top_k_by_default():
     host = v4.CacheConfig(num_pages=8, max_slots=1, max_pages_per_seq=4, c4_tier="host")
-    assert pools.hot_set(v4.init_cache(MODEL, host)).held.shape == (MODEL.num_csa, 1, 16)
+    assert pools.hot_set(v4.init_cache(MODEL, host)).held.records().shape == (
+        MODEL.num_csa, 1, 16, 1)
     assert pools.hot_set(v4.init_cache(MODEL, geometry(0))) is None
     with pytest.raises(ValueError, match=r"hot_rows: expected a hot set \(None, or at least "
                                          r"the model's index_topk\) with c4_tier='host'"):

@@ -47,7 +47,7 @@ def owned_state(cache) -> dict[str, np.ndarray]:
     """Every storage array with the rows no live request owns zeroed, plus the bookkeeping."""
     masks = synthetic.owned_masks(cache)
     out = {
-        "window": np.where(masks["window"], np.asarray(pools.window_ring(cache)), 0),
+        "window": np.where(masks["window"], np.asarray(pools.window_ring(cache).records()), 0),
         "lengths": np.asarray(cache.state.lengths),
         "status": np.asarray(cache.state.status),
         "page_table": np.asarray(cache.pages.page_table),
@@ -57,9 +57,10 @@ def owned_state(cache) -> dict[str, np.ndarray]:
         tail = pools.tail(cache, spec)  # a ring (kv, gate) or an online tail
         for field in dataclasses.fields(tail):
             out[f"{spec.name}.{field.name}"] = np.where(
-                masks[f"{spec.name}_tail"], np.asarray(getattr(tail, field.name)), 0)
+                masks[f"{spec.name}_tail"], np.asarray(getattr(tail, field.name).records()), 0)
         out[f"{spec.name}.entries"] = np.where(masks[f"{spec.name}_entries"],
-                                               np.asarray(pools.entries(cache, spec)), 0)
+                                               np.asarray(pools.entries(cache, spec).records()),
+                                               0)
     return out
 
 
@@ -120,17 +121,17 @@ def test_poison_reaches_every_unowned_row():
     cache = v4.prefill(cache, data.span(0, 32), data.weights, [0], [30])
     cache = synthetic.poison_unowned(cache)
     # 30 tokens: window rows 0..29 of 16 are all owned; 7 C4 entries, 1 C128 entry (m' = 16).
-    assert not np.isnan(np.asarray(pools.window_ring(cache)[:, 0])).any()
-    assert np.isnan(np.asarray(pools.window_ring(cache)[:, 1:])).all()
+    assert not np.isnan(np.asarray(pools.window_ring(cache)[:, 0].records())).any()
+    assert np.isnan(np.asarray(pools.window_ring(cache)[:, 1:].records())).all()
     page = int(cache.pages.page_table[0, 0])
-    c4 = np.asarray(pools.csa_entries(cache).c4[:, page])
+    c4 = np.asarray(pools.csa_entries(cache).c4[:, page].records())
     assert not np.isnan(c4[:, :7]).any() and np.isnan(c4[:, 7:]).all()
-    c128 = np.asarray(pools.hca_entries(cache).c128[:, page])
+    c128 = np.asarray(pools.hca_entries(cache).c128[:, page].records())
     assert not np.isnan(c128[:, :1]).any() and np.isnan(c128[:, 1:]).all()
     others = np.delete(np.arange(GEOMETRY.num_pages), page)
-    assert np.isnan(np.asarray(pools.csa_entries(cache).c4[:, others])).all()
+    assert np.isnan(np.asarray(pools.csa_entries(cache).c4[:, others].records())).all()
     # HCA tail ring (16 rows): positions 16..29 are the open block, rows 30 % 16.. are stale.
-    hca = np.asarray(cache.state.hca.kv[:, 0])
+    hca = np.asarray(cache.state.hca.kv[:, 0].records())
     open_rows = np.arange(16, 30) % 16
     assert not np.isnan(hca[:, open_rows]).any()
     assert np.isnan(np.delete(hca, open_rows, axis=1)).all()
@@ -212,7 +213,8 @@ def test_generator_output_does_not_depend_on_what_its_cache_held(decoder):
         status = used.cache.state.status
         stale = used.cache.replace(state=used.cache.state.replace(status=jnp.zeros_like(status)))
         poisoned = synthetic.poison_unowned(stale, value)
-        assert np.isnan(np.asarray(pools.csa_entries(poisoned).c4)).all() == np.isnan(value)
+        assert np.isnan(np.asarray(pools.csa_entries(poisoned).c4.records())).all() == np.isnan(
+            value)
         used.cache = poisoned.replace(state=poisoned.state.replace(status=status))
         got = used.generate(prompts[1:])
         np.testing.assert_array_equal(got.tokens, want.tokens)

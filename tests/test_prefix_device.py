@@ -57,13 +57,13 @@ def assert_same_state(cache_a, slot_a, cache_b, slot_b):
 def poisoned(cache, slot, value=np.nan):
     """`slot` with every State row set to `value` (its length kept)."""
     snap = v4.snapshot_state(cache, slot)
-    bad = snap.replace(window=jnp.full_like(snap.window, value),
+    bad = snap.replace(window=jax.tree.map(lambda x: jnp.full_like(x, value), snap.window),
                        tails=jax.tree.map(lambda x: jnp.full_like(x, value), snap.tails))
     return v4.restore_state(cache, slot, bad)
 
 
 def classical(cache):
-    return {s.name: np.asarray(pools.entries(cache, s)).copy() for s in cache.specs}
+    return {s.name: np.asarray(pools.entries(cache, s).records()).copy() for s in cache.specs}
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ def test_continuing_past_the_boundary(prefilled, data):
     after = shared_rows(cache)
     for name in before:
         assert after[name].tobytes() == before[name].tobytes(), name
-    c = {s.name: np.asarray(pools.entries(cache, s)) for s in cache.specs}
+    c = {s.name: np.asarray(pools.entries(cache, s).records()) for s in cache.specs}
     for name, x in c.items():  # the new entries of each slot's own page agree too
         np.testing.assert_array_equal(x[:, own[0]], x[:, own[1]], err_msg=name)
         np.testing.assert_array_equal(x[:, own[0]], x[:, own[2]], err_msg=name)
@@ -202,7 +202,7 @@ def test_snapshot_restore_round_trip(data):
     snap = v4.snapshot_state(cache, 1)
     assert int(snap.length) == n
     cache = poisoned(cache, 1)
-    assert np.isnan(np.asarray(pools.window_ring(cache)[:, 1])).all()
+    assert np.isnan(np.asarray(pools.window_ring(cache)[:, 1].records())).all()
     cache = v4.restore_state(cache, 1, snap)
     assert_same_state(cache, 0, cache, 1)
     for t in range(n, n + 3):
@@ -304,7 +304,7 @@ def test_model_replay_shorter_than_the_receptive_field_is_not_enough(decoder_run
     padded[0, :n] = tokens[first:BOUNDARY]
     cache = _model_replay(graphdef, params, cache, jnp.asarray(padded), jnp.asarray([1]),
                           jnp.asarray([first]), jnp.asarray([n]))
-    ring = np.asarray(pools.window_ring(cache)[:, 1])
+    ring = np.asarray(pools.window_ring(cache)[:, 1].records())
     assert np.isfinite(ring[0]).all()  # layer 0's kv depends on its own token only
     assert np.isnan(ring[1:]).any()
 
@@ -362,12 +362,22 @@ def test_snapshot_and_replay_errors(prefilled, data):
     with pytest.raises(ValueError, match=r"snapshot.length: expected a length the slot's 0 "
                                          r"page\(s\) hold \(in \[0, 0\]\); got 256 for slot 1"):
         v4.restore_state(cache, 1, snap)
-    with pytest.raises(ValueError, match=r"snapshot.window: expected shape \(5, 16, 32\)"):
-        v4.restore_state(cache, 0, snap.replace(window=snap.window[:, :8]))
-    with pytest.raises(TypeError, match=r"snapshot.tails.csa.kv: expected dtype float32"):
+    with pytest.raises(ValueError, match=r"snapshot.window.planes\[0\]: expected shape"):
+        v4.restore_state(cache, 0, snap.replace(window=snap.window[:, :2]))
+    other = v4.snapshot_state(v4.reset_slot(v4.init_cache(dataclasses.replace(MODEL, window=8),
+                                                          GEOMETRY),
+                                            0), 0)
+    with pytest.raises(ValueError, match=r"snapshot.window: expected rows laid out as this "
+                                         r"cache lays them out"):
+        v4.restore_state(cache, 0, snap.replace(window=other.window))
+    with pytest.raises(TypeError, match=r"snapshot.tails.csa.kv.planes\[0\]: expected dtype "
+                                        r"float32"):
         v4.restore_state(cache, 0, snap.replace(tails={
-            **snap.tails, "csa": snap.tails["csa"].replace(
-                kv=snap.tails["csa"].kv.astype(jnp.bfloat16))}))
+            **snap.tails, "csa": snap.tails["csa"].replace(kv=jax.tree.map(
+                lambda x: x.astype(jnp.bfloat16), snap.tails["csa"].kv))}))
+    with pytest.raises(TypeError, match=r"snapshot.tails.csa.kv: expected a pools.Lanes"):
+        v4.restore_state(cache, 0, snap.replace(tails={
+            **snap.tails, "csa": snap.tails["csa"].replace(kv=snap.tails["csa"].kv.records())}))
     with pytest.raises(TypeError, match=r"snapshot: expected a pools.StateSnapshot"):
         v4.restore_state(cache, 0, {"window": snap.window})
     with pytest.raises(ValueError, match=r"slot: expected a slot holding a request .*FREE"):
@@ -387,7 +397,7 @@ def test_snapshot_and_replay_errors(prefilled, data):
     with pytest.raises(ValueError, match=r"start: expected shape \(1,\)"):
         step.replay(_copy(cache), vectors, data.weights, [0], [0, 1], [32])
     # jit: a broken row replays nothing.
-    window = np.asarray(pools.window_ring(cache))
+    window = np.asarray(pools.window_ring(cache).records())
     plan = jax.jit(lambda c: append.replay_plan(
         c, jnp.asarray([0, 1]), jnp.asarray([240, 0]), jnp.asarray([32, 32]), 32))(cache)
     assert np.asarray(plan.n_new).tolist() == [0, 0]  # past the length; slot 1 holds nothing
@@ -395,5 +405,5 @@ def test_snapshot_and_replay_errors(prefilled, data):
     got = step.replay(_copy(cache), data.take(positions([224], 32), [0]), data.weights, [0],
                       [224], [32])
     assert int(pools.lengths(got)[0]) == BOUNDARY
-    assert np.asarray(pools.window_ring(got)).tobytes() == window.tobytes()  # same vectors
+    assert np.asarray(pools.window_ring(got).records()).tobytes() == window.tobytes()
     assert paging.held_pages(got.pages.page_table[:1]).tolist() == [2]

@@ -92,3 +92,48 @@ def test_sparse_read_takes_only_the_used_prefix_of_the_picks(valid):
     np.testing.assert_allclose(got, full, rtol=0, atol=1e-6)
     # Without its picks the output differs: the picks were read.
     assert np.abs(read(np.full((2, k), -1, np.int32)) - full).max() > 1e-3
+
+
+@pytest.mark.parametrize("k, lengths, ties", [
+    (8, [400, 270], False),   # k below a page's entries: a selection at every size
+    (64, [200, 131], False),  # at most k entries: every candidate, in id order
+    (64, [400, 130], True),   # past k, scores drawn from 3 values: ties decided by id
+])
+def test_a_chunks_running_top_k_equals_the_whole_rows(k, lengths, ties):
+    # A chunk's picks merge each read chunk's scores into the best k so far (no score row of
+    # the context per query); they equal the one-shot top-k of the whole row, element for
+    # element, whatever the ties and however few the candidates.
+    import jax
+
+    from v4kv_jax.ops import indexer
+
+    model = v4.tiny(index_topk=k)
+    cache = synthetic.random_cache(model, GEOMETRY, lengths, seed=k, fill_unused=np.nan)
+    rng = np.random.default_rng(k)
+    tokens = 5
+    q_pos = jnp.asarray(np.asarray(lengths)[:, None] - tokens + np.arange(tokens), jnp.int32)
+    shape = (2, tokens, model.index_heads, model.index_head_dim)
+    index_q = rng.integers(0, 3, shape) if ties else rng.standard_normal(shape)
+    index_q = jnp.asarray(index_q, jnp.float32)
+    weights = jnp.asarray(np.abs(rng.standard_normal(shape[:3])) + (0 if ties else 0.1),
+                          jnp.float32)
+    keys = v4.pools.csa_entries(cache).index_keys
+    if ties:
+        weights = jnp.ones_like(weights)
+        stored = keys.records()  # NaN where no request owns the row: kept
+        small = rng.integers(0, 3, stored.shape).astype(np.float32)
+        keys = keys.map.pack(jnp.where(jnp.isnan(stored), stored, small))
+    args = dict(index_keys=keys, layer=0,
+                page_rows=cache.pages.page_table[:2], index_q=index_q, index_weights=weights,
+                q_pos=q_pos, kv_end=jnp.asarray(lengths, jnp.int32))
+
+    def picks(fn):
+        return np.asarray(jax.jit(lambda a: fn(model, GEOMETRY, OPTIONS, **a))(args))
+
+    whole, running = picks(indexer.index_topk), picks(indexer.running_topk)
+    np.testing.assert_array_equal(running, whole)
+    scores = -np.sort(-picks(indexer.index_scores), axis=-1)
+    if ties:  # equal scores across the k-th pick: the cut is decided by id
+        assert (scores[..., k - 1] == scores[..., k]).any()
+    if k == 64 and not ties:  # fewer candidates than k: -1s among the picks
+        assert (whole == -1).any() and not np.isfinite(scores[..., k - 1]).all()

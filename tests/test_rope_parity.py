@@ -156,7 +156,7 @@ def logical_entries(cache, name: str, count: int) -> np.ndarray:
     spec = next(s for s in cache.specs if s.name == name)
     per_page = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[0])
-    pool = np.asarray(pools.entries(cache, spec)[0])
+    pool = np.asarray(pools.entries(cache, spec)[0].records())
     i = np.arange(count)
     return pool[table[i // per_page], i % per_page]
 
@@ -197,7 +197,7 @@ def test_window_ring_rows_equal_transformers(both_caches):
     _, cache, hf_layer, _, _ = both_caches
     w = CACHE_MODEL.window
     positions = np.arange(LENGTH - w + 1, LENGTH)  # transformers keeps the last W - 1 tokens
-    ring = np.asarray(pools.window_ring(cache)[0, 0])[positions % w]
+    ring = np.asarray(pools.window_ring(cache)[0, 0].records())[positions % w]
     assert positions[0] > 600
     np.testing.assert_allclose(ring, hf_layer.keys[0, 0].numpy(), rtol=0, atol=CACHE_TOL)
 

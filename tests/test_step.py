@@ -43,7 +43,7 @@ def logical_entries(cache, name: str, kind_layer: int, slot: int, count: int) ->
     spec = next(s for s in cache.specs if s.name == name)
     epp = cache.geometry.entries_per_page(spec.ratio)
     table = np.asarray(cache.pages.page_table[slot])
-    pool = np.asarray(pools.entries(cache, spec)[kind_layer])
+    pool = np.asarray(pools.entries(cache, spec)[kind_layer].records())
     i = np.arange(count)
     return pool[table[i // epp], i % epp]
 
@@ -80,14 +80,14 @@ def test_l130_worked_example(spec_example):
     assert_matches_oracle(logical_entries(cache, "hca", 0, 0, 1), want,
                           oracle_atol(SPEC_MODEL, LayerKind.HCA, 0), err_msg="hca")
     # The window ring holds positions 2..129, each at row p % 128.
-    ring = np.asarray(pools.window_ring(cache)[:, 0])
+    ring = np.asarray(pools.window_ring(cache)[:, 0].records())
     for p in range(2, 130):
         np.testing.assert_array_equal(ring[:, p % 128], data.window[:, 0, p])
     # CSA tail: first halves of 124..127 and the open block 128, 129 at rows p % 8.
-    tail = np.asarray(cache.state.csa.main.kv[0, 0])
+    tail = np.asarray(cache.state.csa.main.kv[0, 0].records())
     for p in range(124, 130):
         np.testing.assert_array_equal(tail[p % 8], data.compressors["csa"][0][0, 0, p])
-    hca_tail = np.asarray(cache.state.hca.kv[0, 0])
+    hca_tail = np.asarray(cache.state.hca.kv[0, 0].records())
     for p in (128, 129):
         np.testing.assert_array_equal(hca_tail[p % 128], data.compressors["hca"][0][0, 0, p])
 
@@ -125,11 +125,11 @@ def test_visibility_at_block_edges(spec_example):
             SPEC_MODEL, SPEC_GEOMETRY, v4.Options(), LayerKind.HCA, layer=0, entries=c128,
             page_rows=cache.pages.page_table[:1], q=hca_q.q, sink=hca_q.sink, q_pos=q_pos,
             kv_end=jnp.asarray([130]),
-            window_keys=attention.ordered_window(ring, jnp.asarray([130])),
+            window_keys=attention.ordered_window(ring.records(), jnp.asarray([130])),
             window_base=jnp.asarray([2])))
 
     c128 = pools.hca_entries(cache).c128
-    changed = c128.at[0, 0, 0].set(c128[0, 0, 0] * -3.0)
+    changed = c128.put((0, 0), 0, c128.take((0, 0), 0) * -3.0)
     a, b = out(c128), out(changed)
     np.testing.assert_array_equal(a[0, :3], b[0, :3])
     assert np.abs(a[0, 3] - b[0, 3]).max() > 1e-3
@@ -140,9 +140,10 @@ def test_visibility_at_block_edges(spec_example):
 
 def _state_arrays(cache, slot: int) -> dict[str, np.ndarray]:
     return {
-        "window": np.asarray(pools.window_ring(cache)[:, slot]),
-        **{f"{s.name}.kv": np.asarray(pools.tail(cache, s).kv[:, slot]) for s in cache.specs},
-        **{f"{s.name}.gate": np.asarray(pools.tail(cache, s).gate[:, slot])
+        "window": np.asarray(pools.window_ring(cache)[:, slot].records()),
+        **{f"{s.name}.kv": np.asarray(pools.tail(cache, s).kv[:, slot].records())
+           for s in cache.specs},
+        **{f"{s.name}.gate": np.asarray(pools.tail(cache, s).gate[:, slot].records())
            for s in cache.specs},
     }
 
@@ -204,12 +205,14 @@ def test_stored_state_follows_lengths(lengths, sizes, seed):
     held_ids = np.concatenate(held)
     assert len(set(held_ids.tolist())) == len(held_ids)
     assert int(cache.pages.num_free) == GEOMETRY.num_pages - len(held_ids)
-    ring = np.asarray(pools.window_ring(cache))
+    ring = np.asarray(pools.window_ring(cache).records())
     for s, L in enumerate(lengths):
         for p in range(max(0, L - W), L):
             np.testing.assert_array_equal(ring[:, s, p % W], data.window[:, s, p])
         for spec in cache.specs:
-            m, tail = spec.ratio, pools.tail(cache, spec)
+            m, tail = spec.ratio, jax.tree.map(np.asarray, pools.tail(cache, spec).replace(
+                kv=pools.tail(cache, spec).kv.records(),
+                gate=pools.tail(cache, spec).gate.records()))
             kv, gate = data.compressors[spec.name]
             params = getattr(data.weights, spec.name)
             ape, norm = np.asarray(params.ape), np.asarray(params.norm)
@@ -380,7 +383,7 @@ def test_every_csa_read_takes_its_entries_through_make_resident(tokens, monkeypa
         page_rows=pools.page_rows(cache, jnp.arange(2)), q=inputs[1].q, sink=inputs[1].sink,
         q_pos=jnp.asarray(pos, jnp.int32), kv_end=jnp.asarray(lengths + tokens, jnp.int32),
         window_keys=jnp.concatenate([attention.ordered_window(
-            pools.window_ring(cache)[layer, :2], jnp.asarray(lengths, jnp.int32)),
+            pools.window_ring(cache)[layer, :2].records(), jnp.asarray(lengths, jnp.int32)),
             pools.codec(cache, "window").encode(inputs[0].window)], axis=1),
         window_base=jnp.asarray(lengths - MODEL.window, jnp.int32))
     np.testing.assert_allclose(got_out, np.asarray(window_only), rtol=1e-5, atol=1e-6)

@@ -199,14 +199,23 @@ def test_v4_sizes():
     assert (storage.row_bytes(512, "fp8_latent", 64) + storage.row_bytes(128, "fp4_index")) == 652
 
 
-def test_float_formats_unchanged():
+def test_float_formats():
     assert storage.row_bytes(512, "bfloat16") == 1024
     assert storage.row_bytes(128, "bfloat16") == 256
     assert storage.row_bytes(7, "float32") == 28
-    assert storage.dtype("float16") == jnp.float16
-    stored = jnp.zeros(3, jnp.bfloat16)
-    out = storage.decode(storage.encode(jnp.array([1.0, 1 + 2**-9, 3.0]), stored))
+    assert storage.row_bytes(7, "float16") == 16  # 4 words: the last high half zero
+    assert storage.dtype("float16") == storage.dtype("bfloat16") == jnp.uint32
+    assert storage.dtype("float32") == jnp.float32
+    codec = storage.RowCodec("bfloat16", 3)
+    stored = codec.encode(jnp.array([1.0, 1 + 2**-9, 3.0]))
+    # Value 2i in the low half of word i, 2i + 1 in its high half (bf16 1.0 is 0x3F80).
+    np.testing.assert_array_equal(np.asarray(stored), [0x3F803F80, 0x00004040])
+    out = codec.decode(stored)
     assert out.dtype == jnp.float32 and list(np.asarray(out)) == [1.0, 1.0, 3.0]
+    half = storage.RowCodec("float16", 4)
+    np.testing.assert_array_equal(
+        np.asarray(half.decode(half.encode(jnp.array([0.5, -2.0, 65504.0, 1e-8])))),
+        np.array([0.5, -2.0, 65504.0, 1e-8], np.float16).astype(np.float32))
     with pytest.raises(ValueError, match="fmt"):
         storage.dtype("int8")
 

@@ -86,7 +86,7 @@ RULES = {
         {"ops/__init__.py", "ops/choice.py", "ops/attention.py", "ops/indexer.py",
          "ops/compressor.py"},
         re.compile(r"\b(attention\.(attend|sparse_decode_attention|dense_decode_attention)"
-                   r"|indexer\.(index_scores|index_topk|key_scores|picks_from_scores)"
+                   r"|indexer\.(index_scores|index_topk|running_topk|key_scores|picks_from_scores)"
                    r"|compressor\.emit_entries(_online)?)\(")),
     "only programs compiles (jax.jit); testing/synthetic.py's data helpers may": (
         {"programs.py", "testing/synthetic.py"},

@@ -222,15 +222,16 @@ def end_append(cache: Cache, plan: AppendPlan) -> Cache:
     return pools.with_slots(cache, lengths=lengths)
 
 
-def after(x: jax.Array, dep: jax.Array) -> jax.Array:
+def after(x: jax.Array, dep) -> jax.Array:
     """x, bit for bit, data-dependent on `dep` through a term that is always +0 (NaN included;
     x - (+0) keeps even -0) and that XLA cannot fold.
 
     XLA:CPU puts an in-place write of a buffer after an earlier read of it only when the
     written values depend on the read; otherwise (an optimization barrier does not help) it
-    copies the whole buffer, every step. Pass the read's result as `dep`.
+    copies the whole buffer, every step. Pass the read's result (an array, or a pytree of
+    them) as `dep`.
     """
-    d = dep.ravel()[0]
+    d = jax.tree.leaves(dep)[0].ravel()[0]
     return x - ((d != d) & (d == d)).astype(x.dtype)
 
 
@@ -244,9 +245,9 @@ def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.
     n = plan.n_new[:, None]
     keep = (j < n) & (j >= n - W)  # each ring row written at most once
     row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
-    stored = pools.window_ring(cache)
-    ring = stored.at[layers[:, None, None], plan.slot_ids[None, :, None], row[None]].set(
-        cache.layout.rows["window"].encode(window), mode="drop")
+    ring = pools.window_ring(cache).put(
+        (layers[:, None, None], plan.slot_ids[None, :, None]), row[None],
+        cache.layout.rows["window"].encode(window))
     return pools.with_window_ring(cache, ring)
 
 
@@ -287,10 +288,10 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
         kv, gate = after(kv, pool), after(gate, pool)
 
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
-    idx = (layers[:, None, None], plan.slot_ids[None, :, None], ring_row[None])
+    block = (layers[:, None, None], plan.slot_ids[None, :, None])
     rows = fixed.tail_rows[spec.name]
-    new_tail = tail.replace(kv=tail.kv.at[idx].set(rows.encode(kv), mode="drop"),
-                            gate=tail.gate.at[idx].set(rows.encode(gate), mode="drop"))
+    new_tail = tail.replace(kv=tail.kv.put(block, ring_row[None], rows.encode(kv)),
+                            gate=tail.gate.put(block, ring_row[None], rows.encode(gate)))
     return pools.with_tail(cache, spec, new_tail)
 
 

@@ -366,6 +366,10 @@ class Options:
         pages); the loop runs over used pages only, so its cost follows the context.
       hca_read_entries: C128 entries the reference reads per loop step (whole pages).
       query_tile: queries per tile in prefill attention (bounds memory, not results).
+      unroll_layers: run the layers of a kind one after the other in the program instead of
+        in a `lax.scan` (`step.layers_step`, `step.decode_attention_all`): the same results,
+        a program that grows with the layers and compiles longer; XLA's cost analysis then
+        counts every layer (it counts a loop's body once).
     """
 
     implementation: str = "auto"
@@ -374,11 +378,13 @@ class Options:
     hca_read_entries: int = 512
     query_tile: int = 64
     block_sizes: tuple = ()
+    unroll_layers: bool = False
 
     def __post_init__(self):
         checks.one_of("implementation", self.implementation, IMPLEMENTATIONS)
-        if not isinstance(self.interpret, bool):
-            checks.fail("interpret", "a bool", repr(self.interpret), TypeError)
+        for name in ("interpret", "unroll_layers"):
+            if not isinstance(getattr(self, name), bool):
+                checks.fail(name, "a bool", repr(getattr(self, name)), TypeError)
         for name in ("index_read_entries", "hca_read_entries", "query_tile"):
             checks.integer(name, getattr(self, name), lo=1)
         pairs = self.block_sizes

@@ -55,7 +55,7 @@ class Program:
     """A jitted device program that counts its traces. Call it like the function."""
 
     def __init__(self, name: str, fn: Callable, *, donate: Sequence[str] = (),
-                 static: Sequence[str] = ()):
+                 static: Sequence[str] = (), keep_unused: bool = False):
         self.name = name
         self.donate, self.static = tuple(donate), tuple(static)
         self._traces = 0
@@ -72,7 +72,7 @@ class Program:
             return fn(*args, **kwargs)
 
         self._jitted = jax.jit(traced, donate_argnames=self.donate,
-                               static_argnames=self.static)
+                               static_argnames=self.static, keep_unused=keep_unused)
         self._donated_at = frozenset(i for i, name in enumerate(inspect.signature(fn).parameters)
                                      if name in self.donate)
 
@@ -211,7 +211,7 @@ PROGRAMS: dict[str, Program] = {}
 
 
 def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequence[str] = (),
-            register: bool = True) -> Program:
+            register: bool = True, keep_unused: bool = False) -> Program:
     """The `Program` of `fn`: jitted with `donate` donated and `static` static.
 
     Args:
@@ -220,8 +220,10 @@ def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequ
       donate: argument names whose buffers the program consumes.
       static: argument names that are hashable compile-time values.
       register: list it in `PROGRAMS` (off for programs made per instance).
+      keep_unused: keep arguments the body does not read as the program's parameters (laid
+        out and counted like the others).
     """
-    made = Program(name, fn, donate=donate, static=static)
+    made = Program(name, fn, donate=donate, static=static, keep_unused=keep_unused)
     if register:
         if name in PROGRAMS:
             raise ValueError(f"name: expected a program name not yet registered; got {name!r}")

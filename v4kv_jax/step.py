@@ -129,7 +129,8 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
 
     if tokens == 1:
         # Decode: the ring and the pools now hold the new token; read them like any decode.
-        window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], plan.end)
+        window = ops.WindowKeys(pools.window_ring(cache), plan.end, layer=ref.layer,
+                                slots=slots)
         q_pos = (plan.end - 1)[:, None]
     else:
         window = ops.WindowKeys(old_ring, plan.start, fixed.rows["window"].encode(vectors.window))
@@ -161,7 +162,7 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
     inside = (slot_ids >= 0) & (slot_ids < S)
     slots = read_slots(cache, slot_ids)
     length = jnp.where(inside, pools.lengths(cache)[slots], 0)  # a row outside reads nothing
-    window = ops.WindowKeys(pools.window_ring(cache)[ref.layer, slots], length)
+    window = ops.WindowKeys(pools.window_ring(cache), length, layer=ref.layer, slots=slots)
     _, out, _ = _read(cache, ref, queries, slot_ids, window, (length - 1)[:, None], length,
                       options)
     return out
@@ -200,9 +201,14 @@ def decode_attention_all(cache: Cache, queries: Queries, slot_ids, *,
         def body(_, x):
             return None, decode_attention(cache, x["ref"], x["q"], slot_ids, options=options)
 
-        _, o = jax.lax.scan(body, None, xs)
+        _, o = jax.lax.scan(body, None, xs, unroll=_unroll(options, layers))
         out = out.at[glob].set(o)
     return out
+
+
+def _unroll(options: Options | None, layers) -> int:
+    """`lax.scan`'s unroll over a kind's layers: all of them with `Options.unroll_layers`."""
+    return len(layers) if _options(options).unroll_layers else 1
 
 
 def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: Queries,
@@ -249,7 +255,7 @@ def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: 
                         index_weights=x.get("index_weights"))
             return layer_step(cache, plan, x["ref"], layer_vectors, q, params, options=options)
 
-        cache, o = jax.lax.scan(body, cache, xs)
+        cache, o = jax.lax.scan(body, cache, xs, unroll=_unroll(options, layers))
         if out is None:
             out = jnp.zeros((model.num_layers, *o.shape[1:]), o.dtype)
         out = out.at[glob].set(o)

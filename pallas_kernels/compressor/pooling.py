@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.common import MASK_VALUE
+from pallas_kernels.common import MASK_VALUE, rounded
 
 
 def softmax_pool(a, z, valid, done):
@@ -25,12 +25,6 @@ def softmax_pool(a, z, valid, done):
     return jnp.sum(jnp.where(valid, (e / total) * a, 0.0), axis=1)
 
 
-def _rounded(x):
-    """x through a select no compiler pass removes: the product is rounded to fp32 before
-    it is added (never contracted into an FMA), as the reference's online fold does."""
-    return jnp.where(x == x, x, jnp.nan)
-
-
 def online_step(state, a, z, fresh):
     """One token of the online HCA tail (update rule of `v4kv_jax.pools`), in the
     reference's fp32 expressions: state (max, sum, weighted), a the token's kv, z its biased
@@ -38,6 +32,6 @@ def online_step(state, a, z, fresh):
     mx, s, u = state
     top = jnp.maximum(mx, z)
     c, e = jnp.exp(mx - top), jnp.exp(z - top)
-    sc, uc, ea = _rounded(s * c), _rounded(u * c), _rounded(e * a)
+    sc, uc, ea = rounded(s * c), rounded(u * c), rounded(e * a)
     return (jnp.where(fresh, z, top), jnp.where(fresh, 1.0, sc + e),
             jnp.where(fresh, a, uc + ea))

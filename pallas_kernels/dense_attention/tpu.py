@@ -1,16 +1,18 @@
 """HCA dense decode attention, TPU (Mosaic).
 
 Grid: one program per slot. Scalar-prefetched: the layer indices, query positions, sequence
-lengths, slot ids (they pick the window ring block) and the page table. The C128 pool stays
-in HBM (`pl.ANY`); the pages holding the visible entries are copied `pages_per_block` at a
-time into a double-buffered VMEM block (the next block in flight while the current one is
-decoded and folded), so the work follows the slot's length, not the page-table capacity.
-The held pages of a row are a prefix of it (`v4kv_jax.pools.paging`), so entry i < visible lies on
-a held page. Outputs are written as planes; XLA puts them in natural order and de-rotates.
+lengths, slot ids (they pick the window ring blocks) and the page table. The C128 pool stays
+in HBM (`pltpu.HBM`: XLA never moves it to VMEM around the kernel, as it may with `pl.ANY`);
+the pages holding the visible entries are copied `pages_per_block` at a time, each plane's
+lane rows as stored (`formats.Part`), into double-buffered VMEM blocks
+(the next block in flight while the current one is decoded and folded), so the work follows
+the slot's length, not the page-table capacity. The held pages of a row are a prefix of it
+(`v4kv_jax.pools.paging`), so entry i < visible lies on a held page. Outputs are written as
+planes; XLA puts them in natural order and de-rotates.
 
-Layout read:
-  window  [n_layers, max_slots, W, S]      block (layer, slot) through the index map
-  c128    [n_hca, num_pages, P // m', S]   page copies (S: hd, or the packed row's words)
+Layout read (`v4kv_jax.pools.lanes`):
+  window  planes [n_layers, max_slots, rows, lanes]   block (layer, slot) through the index map
+  c128    planes [n_hca, num_pages, rows, lanes]      page copies
 """
 
 from __future__ import annotations
@@ -22,34 +24,37 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import decode, formats, tpu_pipeline
+from pallas_kernels import decode, formats, lanes, tpu_pipeline
 from pallas_kernels.common import (
     cost_estimate,
+    in_hbm,
     lane_frequencies,
     layer_index,
     nbytes,
     tpu_interpret,
-    tpu_row_copy_problem,
 )
 from pallas_kernels.dense_attention.blocks import BlockSizes
 
 
 def supported(model, geometry, spec=None) -> str | None:
-    """Why this TPU kernel cannot run a config, or None: it copies whole pages of C128
-    entries (P // m' rows each) into consecutive buffer rows, which Mosaic does for 16-bit
-    entries only in runs of an even number of rows."""
-    del spec
-    return tpu_row_copy_problem(geometry.page_tokens // model.hca_ratio,
-                                entry_dtype=geometry.entry_dtype)
+    """Why this TPU kernel cannot run a config, or None: it runs every storage format (whole
+    pages of 32-bit lane rows are copied)."""
+    del model, geometry, spec
+    return None
 
 
 def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
             groups: decode.KeyGroups, pages_per_block: int, entries_per_page: int,
             max_pages: int, ratio: int, window: int, scale: float):
-    del slot_ref  # consumed by the window block's index map
+    del slot_ref  # consumed by the window blocks' index maps
     n = len(groups.layouts)
-    q_refs, (sink_ref, window_ref, c128_hbm) = refs[:n], refs[n:n + 3]
-    o_refs, (buf, sems) = refs[n + 3:2 * n + 3], refs[2 * n + 3:]
+    window_lay, entry_lay = groups.window_layout, groups.entries_layout
+    nw, ne = len(window_lay.parts), len(entry_lay.parts)
+    q_refs, (sink_ref,) = refs[:n], refs[n:n + 1]
+    refs = refs[n + 1:]
+    window_refs, c128_hbm = refs[:nw], refs[nw:nw + ne]
+    refs = refs[nw + ne:]
+    o_refs, bufs, sems = refs[:n], refs[n:n + ne], refs[n + ne]
     b = pl.program_id(0)
     layer = layers_ref[1]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
@@ -58,62 +63,73 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
     num_blocks = jax.lax.div(num_pages + pages_per_block - 1, pages_per_block)
 
     start, wait = tpu_pipeline.page_block_copies(
-        table_ref, b, c128_hbm, layer, buf, sems, num_pages=num_pages,
-        pages_per_block=pages_per_block, entries_per_page=entries_per_page, max_pages=max_pages)
+        table_ref, b, c128_hbm, layer, bufs, sems, num_pages=num_pages,
+        pages_per_block=pages_per_block, max_pages=max_pages)
 
     q = groups.load_queries(q_refs)
     gw, ge = groups.window, groups.entries
-    ring = formats.decode_tpu(groups.layouts[gw], window_ref[...])
+    ring = formats.decode_tpu(window_lay, *tpu_pipeline.window_rows(window_lay, window_refs,
+                                                                    window))
     state = decode.fold_window(decode.sink_state(groups, sink_ref[...]), q[gw], ring, q_pos,
                                kv_end, window, scale, group=gw)
     block_entries = pages_per_block * entries_per_page
+    tiles_slots = [lanes.slots(part, block_entries, entries_per_page)
+                   for part in entry_lay.parts]
 
     def body(j, slot, state):
         first = j * block_entries
         rows = first + jax.lax.broadcasted_iota(jnp.int32, (block_entries, 1), 0) < visible
-        lanes = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_entries), 1) < visible
+        cols = first + jax.lax.broadcasted_iota(jnp.int32, (1, block_entries), 1) < visible
+        tiles = [lanes.expand(buf[slot], part, entries_per_page)
+                 for buf, part in zip(bufs, entry_lay.parts, strict=True)]
         keys = [jnp.where(rows, k, 0.0)
-                for k in formats.decode_tpu(groups.layouts[ge], buf[slot])]
-        return decode.fold(state, q[ge], keys, lanes, scale, ge)
+                for k in formats.decode_tpu(entry_lay, tiles, tiles_slots)]
+        return decode.fold(state, q[ge], keys, cols, scale, ge)
 
     state = tpu_pipeline.double_buffered(num_blocks, start, wait, body, state)
     tpu_pipeline.write_output(o_refs, state)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret",
-                                             "entry_format", "window_format", "rope_dim"))
+                                             "entry_format", "window_format", "rope_dim",
+                                             "entry_lanes", "window_lanes"))
 def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128,
                            c128_layer, page_rows, inv_freq, *, ratio: int,
                            block_sizes: BlockSizes | None = None, interpret: bool = False,
-                           entry_format: str = "float", window_format: str = "float",
-                           rope_dim: int = 0):
+                           entry_format: str = "float32", window_format: str = "float32",
+                           rope_dim: int = 0, entry_lanes=(), window_lanes=()):
     """One decode query per slot over its window and every visible C128 entry.
 
     Args:
       q: f32[B, H, hd] queries (RoPE applied). sink: f32[H].
-      window: [n_layers, max_slots, W, S] the window rings as stored; window_layer: global
-        layer.
+      window: the window rings' planes as stored, [n_layers, max_slots, rows, lanes] each;
+        window_layer: global layer.
       slot_ids, q_pos, kv_end: i32[B] slot, query position and sequence length per row.
-      c128: [n_hca, num_pages, P // m', S] as stored; c128_layer: index in the HCA stack.
+      c128: the C128 entries' planes as stored, [n_hca, num_pages, rows, lanes] each;
+        c128_layer: index in the HCA stack.
       page_rows: i32[B, max_pages_per_seq].
       inv_freq: f32[r // 2], the RoPE frequencies of the layer kind (`rope.inv_frequencies`).
       ratio: m'. Entries i < min((q_pos + 1) // m', kv_end // m') are read.
-      entry_format, window_format, rope_dim: as `sparse_decode_attention`.
+      entry_format, window_format, rope_dim, entry_lanes, window_lanes: as
+        `sparse_decode_attention`.
 
     Returns:
       f32[B, H, hd], de-rotated by -q_pos.
     """
     batch, heads, dim = q.shape
-    _, _, window_len, window_width = window.shape
     lane_freq = lane_frequencies(inv_freq, dim)
-    groups = decode.KeyGroups.of(formats.layout(window_format, dim, rope_dim, "tpu"),
-                                 formats.layout(entry_format, dim, rope_dim, "tpu"))
-    formats.check_stored(groups.layouts[groups.window], window, "window")
-    formats.check_stored(groups.layouts[groups.entries], c128, "c128")
-    epp, max_pages = c128.shape[2], page_rows.shape[1]
+    groups = decode.KeyGroups.of(
+        formats.layout(window_format, dim, rope_dim, "tpu", window_lanes),
+        formats.layout(entry_format, dim, rope_dim, "tpu", entry_lanes))
+    entry_lay, window_lay = groups.entries_layout, groups.window_layout
+    window_len, epp = window_lay.records, entry_lay.records
+    formats.check_stored(window_lay, window, "window")
+    formats.check_stored(entry_lay, c128, "c128")
+    max_pages = page_rows.shape[1]
     bs = (block_sizes or BlockSizes()).clamped(max_pages * epp, heads)
     ppb = min(bs.pages_per_block(epp), max_pages)
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c128_layer)])
+    page_bytes = sum(nbytes(x, 2) for x in c128)
 
     kernel = functools.partial(
         _kernel, groups=groups, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages,
@@ -124,11 +140,12 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
             num_scalar_prefetch=5,
             grid=(batch,),
             in_specs=[
-                *tpu_pipeline.query_window_specs(groups, heads, window_len, window_width),
-                pl.BlockSpec(memory_space=pl.ANY),
+                *tpu_pipeline.query_window_specs(groups, heads, window),
+                *[pl.BlockSpec(memory_space=pltpu.HBM)] * len(c128),
             ],
             out_specs=tpu_pipeline.output_specs(groups, heads),
-            scratch_shapes=[pltpu.VMEM((2, ppb * epp, c128.shape[-1]), c128.dtype),
+            scratch_shapes=[*(pltpu.VMEM((2, ppb * x.shape[-2], x.shape[-1]), x.dtype)
+                              for x in c128),
                             pltpu.SemaphoreType.DMA((2,))],
         ),
         out_shape=tpu_pipeline.output_shapes(groups, batch, heads),
@@ -138,9 +155,9 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
         cost_estimate=cost_estimate(
             flops=4 * batch * heads * dim * (max_pages * epp + window_len),
             transcendentals=batch * heads * (max_pages * epp + window_len),
-            bytes_accessed=batch * (max_pages * epp * nbytes(c128, 1) + nbytes(window, 2)
+            bytes_accessed=batch * (max_pages * page_bytes + sum(nbytes(x, 2) for x in window)
                                     + 2 * heads * dim * 4)),
     )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1), *groups.queries(q),
-      sink.astype(jnp.float32).reshape(heads, 1), window, c128)
+      sink.astype(jnp.float32).reshape(heads, 1), *in_hbm(window), *in_hbm(c128))
     return groups.output(outs, q_pos, lane_freq)

@@ -2,10 +2,16 @@
 
 Grid: (slot, block of keys). A program whose block starts past the slot's visible keys does
 nothing (its part of the row is left as it was); the others gather their keys through the
-page table, `c4 index key = index_keys[layer, page_rows[slot, e // (P/m)], e % (P/m)]`
-(packed fp4_index rows decoded into planes in registers, `formats.decode_gpu`), and score
-them with a matmul per plane and a weighted sum of the ReLUs over the heads. Indexer heads
-are padded to a power of two, at least 16 (zero queries and weights add nothing), for Triton.
+page table: key e is record e % (P/m) of block (layer, page_rows[slot, e // (P/m)]) of the
+keys' planes, its words read from the lanes its parts give them (`formats.gpu_loader`) and
+decoded into planes in registers (`formats.decode_gpu`); they are scored with a matmul per
+plane and a weighted sum of the ReLUs over the heads. Indexer heads are padded to a power of
+two, at least 16 (zero queries and weights add nothing), for Triton.
+
+Layout read (`v4kv_jax.pools.lanes`):
+  index_keys  planes [n_csa, num_pages, rows, lanes]   keys gathered per block
+Written:
+  scores      f32[B, capacity]                         one block of keys per program
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ from pallas_kernels.common import (
     power_of_two_problem,
     triton_compiler_params,
 )
-from pallas_kernels.gpu_split_k import row_loader
 from pallas_kernels.indexer.blocks import BlockSizes
 
 
 def supported(model, geometry, spec=None) -> str | None:
-    """Why this GPU kernel cannot run a config, or None: a key row is a Triton tensor."""
-    del spec
+    """Why this GPU kernel cannot run a config, or None: it reads every storage format (words
+    gathered where the lane map puts them, decoded in registers), but a key row is a Triton
+    tensor (a power of two)."""
+    del geometry, spec
     return power_of_two_problem(index_head_dim=model.index_head_dim)
 
 
@@ -42,9 +49,10 @@ def supported(model, geometry, spec=None) -> str | None:
 DEFAULT_BLOCK_SIZES = BlockSizes(entries_per_block=128)
 
 
-def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_ref, scores_ref, *,
+def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, *refs,
             keys: formats.Layout, block: int, entries_per_page: int, max_pages: int, ratio: int,
             heads: int):
+    keys_refs, scores_ref = refs[:-1], refs[-1]
     b, j = pl.program_id(0), pl.program_id(1)
     visible = jnp.minimum((q_pos_ref[b] + 1) // ratio, kv_end_ref[b] // ratio)
 
@@ -53,8 +61,8 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_ref,
         entry = j * block + jnp.arange(block, dtype=jnp.int32)
         page = table_ref[b, jnp.minimum(entry // entries_per_page, max_pages - 1)]
         valid = (entry < visible) & (page >= 0)
-        load = row_loader(keys_ref, (layer_ref[0],),
-                          (jnp.maximum(page, 0), entry % entries_per_page))
+        load = formats.gpu_loader(keys, keys_refs, (layer_ref[0], jnp.maximum(page, 0)),
+                                  entry % entries_per_page)
         dots = None
         for plane, kj in enumerate(formats.decode_gpu(keys, load)):
             part = jax.lax.dot_general(q_ref[plane], kj, (((1,), (1,)), ((), ())),
@@ -67,15 +75,19 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, keys_ref,
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret", "num_warps",
-                                             "num_stages", "index_format"))
+                                             "num_stages", "index_format", "index_lanes"))
 def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end, *,
                  ratio: int, block_sizes: BlockSizes | None = None, interpret: bool = False,
-                 num_warps: int = 4, num_stages: int = 2, index_format: str = "float"):
-    """Same contract as `pallas_kernels.indexer.tpu.index_scores`."""
+                 num_warps: int = 4, num_stages: int = 2, index_format: str = "float32",
+                 index_lanes=()):
+    """Same contract as `pallas_kernels.indexer.tpu.index_scores` (`index_keys` a tuple of
+    planes, their lane map in `index_lanes`), and the Triton launch parameters `num_warps`,
+    `num_stages`."""
     batch, heads, dim = index_q.shape
-    keys = formats.layout(index_format, dim, 0, "gpu")
+    index_keys = tuple(index_keys)
+    keys = formats.layout(index_format, dim, 0, "gpu", index_lanes)
     formats.check_stored(keys, index_keys, "index_keys")
-    epp, max_pages = index_keys.shape[2], page_rows.shape[1]
+    epp, max_pages = formats.records_of(keys, index_keys), page_rows.shape[1]
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(max_pages * epp)
     block = max(bs.entries_per_block, MIN_DOT)
     padded_heads = max(MIN_DOT, next_power_of_two(heads))
@@ -100,11 +112,11 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
                   pl.BlockSpec((None, keys.n_planes, padded_heads, keys.plane_width),
                                lambda b, j: (b, 0, 0, 0)),
                   pl.BlockSpec((None, padded_heads, 1), lambda b, j: (b, 0, 0)),
-                  whole(index_keys)],
+                  *(whole(x) for x in index_keys)],
         out_specs=pl.BlockSpec((None, block), lambda b, j: (b, j)),
         out_shape=jax.ShapeDtypeStruct((batch, blocks * block), jnp.float32),
         compiler_params=triton_compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="v4kv_indexer_scores_gpu",
-    )(*scalars, q, w[..., None], index_keys)
+    )(*scalars, q, w[..., None], *index_keys)
     return candidate_scores(scores, q_pos, kv_end, ratio)

@@ -2,11 +2,16 @@
 
 Grid: (slot, head block, split). A program folds the window ring (split 0 only) and its
 share of the top-k picks, `picks_per_block` at a time: the picks' pages come from the page
-table row and each tile of C4 rows is gathered straight from the pool as stored (packed rows
-are decoded into planes in registers, `formats.decode_gpu`). Programs write partial softmax
-states (accumulator planes, max, sum); XLA merges the splits with the sink, puts the planes
-back in natural order and de-rotates the output (a lane-pair exchange has no Triton
-equivalent in Pallas).
+table row and each tile of C4 rows is gathered straight from the pool's planes as stored
+(entry e of a page from the lanes its parts give it, `formats.gpu_loader`; words decoded
+into planes in registers, `formats.decode_gpu`). Programs write partial softmax states
+(accumulator planes, max, sum); XLA merges the splits with the sink, puts the planes back in
+natural order and de-rotates the output (a lane-pair exchange has no Triton equivalent in
+Pallas).
+
+Layout read (`v4kv_jax.pools.lanes`):
+  window  planes [n_layers, max_slots, rows, lanes]   ring rows gathered per tile
+  c4      planes [n_csa, num_pages, rows, lanes]      picked entries gathered per tile
 
 Triton tensors have power-of-two shapes, and its matmul at least 16 rows and columns: heads
 and picks are padded (zero queries, -1 picks) up to the block sizes.
@@ -33,9 +38,10 @@ from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 
 def supported(model, geometry, spec=None) -> str | None:
-    """Why this GPU kernel cannot run a config, or None: a key row and the window are Triton
-    tensors."""
-    del spec
+    """Why this GPU kernel cannot run a config, or None: it reads every storage format (words
+    gathered where the lane maps put them, decoded in registers), but a key row and the
+    window are Triton tensors (powers of two)."""
+    del geometry, spec
     return power_of_two_problem(head_dim=model.head_dim, window=model.window)
 
 
@@ -47,11 +53,14 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
             groups: decode.KeyGroups, block: int, num_splits: int, entries_per_page: int,
             window: int, window_block: int, scale: float):
     n = len(groups.layouts)
-    q_refs, (window_ref, c4_ref), out_refs = refs[:n], refs[n:n + 2], refs[n + 2:]
+    entry_lay = groups.entries_layout
+    nw, ne = len(groups.window_layout.parts), len(entry_lay.parts)
+    q_refs, window_refs = refs[:n], refs[n:n + nw]
+    c4_refs, out_refs = refs[n + nw:n + nw + ne], refs[n + nw + ne:]
     b, split = pl.program_id(0), pl.program_id(2)
     q = groups.load_queries(q_refs)
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
-    state = gpu_split_k.first_state(split, groups, q, window_ref, layers_ref[0], slot_ref[b],
+    state = gpu_split_k.first_state(split, groups, q, window_refs, layers_ref[0], slot_ref[b],
                                     q_pos, kv_end, window=window, window_block=window_block,
                                     scale=scale)
 
@@ -67,8 +76,8 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
         valid = picks >= 0
         pick = jnp.maximum(picks, 0)
         page = jnp.maximum(table_ref[b, pick // entries_per_page], 0)
-        load = gpu_split_k.row_loader(c4_ref, (layer,), (page, pick % entries_per_page))
-        keys = formats.decode_gpu(groups.layouts[g], load)
+        load = formats.gpu_loader(entry_lay, c4_refs, (layer, page), pick % entries_per_page)
+        keys = formats.decode_gpu(entry_lay, load)
         keys = [jnp.where(valid[:, None], k, 0.0) for k in keys]
         return decode.fold(state, q[g], keys, valid[None, :], scale, g)
 
@@ -78,23 +87,28 @@ def _kernel(layers_ref, slot_ref, q_pos_ref, kv_end_ref, blocks_ref, table_ref, 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "num_warps",
                                              "num_stages", "entry_format", "window_format",
-                                             "rope_dim"))
+                                             "rope_dim", "entry_lanes", "window_lanes"))
 def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
                             c4_layer, page_rows, picks, inv_freq, *,
                             block_sizes: BlockSizes | None = None, interpret: bool = False,
                             num_warps: int = 4, num_stages: int = 2,
-                            entry_format: str = "float", window_format: str = "float",
-                            rope_dim: int = 0):
-    """Same contract as `pallas_kernels.sparse_attention.tpu.sparse_decode_attention`."""
+                            entry_format: str = "float32", window_format: str = "float32",
+                            rope_dim: int = 0, entry_lanes=(), window_lanes=()):
+    """Same contract as `pallas_kernels.sparse_attention.tpu.sparse_decode_attention`
+    (`window` and `c4` tuples of planes, their lane maps in `window_lanes` and
+    `entry_lanes`), and the Triton launch parameters `num_warps`, `num_stages`."""
     batch, heads, dim = q.shape
-    _, _, window_len, _ = window.shape
+    window, c4 = tuple(window), tuple(c4)
     lane_freq = lane_frequencies(inv_freq, dim)
-    groups = decode.KeyGroups.of(formats.layout(window_format, dim, rope_dim, "gpu"),
-                                 formats.layout(entry_format, dim, rope_dim, "gpu"))
-    formats.check_stored(groups.layouts[groups.window], window, "window")
-    formats.check_stored(groups.layouts[groups.entries], c4, "c4")
-    picks = present_picks(page_rows, picks, c4.shape[2])
-    topk, epp = picks.shape[1], c4.shape[2]
+    groups = decode.KeyGroups.of(
+        formats.layout(window_format, dim, rope_dim, "gpu", window_lanes),
+        formats.layout(entry_format, dim, rope_dim, "gpu", entry_lanes))
+    window_lay, entry_lay = groups.window_layout, groups.entries_layout
+    formats.check_stored(window_lay, window, "window")
+    formats.check_stored(entry_lay, c4, "c4")
+    window_len, epp = formats.records_of(window_lay, window), formats.records_of(entry_lay, c4)
+    picks = present_picks(page_rows, picks, epp)
+    topk = picks.shape[1]
     bs = (block_sizes or DEFAULT_BLOCK_SIZES).clamped(topk, heads)
     block, bh = max(bs.picks_per_block, MIN_DOT), max(bs.heads_per_block, MIN_DOT)
     check_power_of_two(head_dim=dim, window=window_len,

@@ -112,7 +112,8 @@ def packed_model(heads: int, **overrides) -> v4.AttentionConfig:
 def packed_cache():
     """(cache, packed, decoded): a random fp32 cache at `PACKED_WIDTHS` (unused pages NaN), its
     pools packed ("csa", "hca", "window": fp8_latent; "csa_index": fp4_index of keys taken as
-    already rotated) and those packed pools decoded back to fp32."""
+    already rotated) and those packed pools decoded back to fp32, all `pools.Lanes` stored
+    as the cache stores them."""
     from v4kv_jax import pools
     from v4kv_jax.pools import storage
 
@@ -121,11 +122,17 @@ def packed_cache():
     cache = random_cache(model, PACKED_PAGE_TOKENS, "float32", lengths_for(PACKED_PAGE_TOKENS),
                          seed=11)
     floats = dict(csa=pools.csa_entries(cache).c4, hca=pools.hca_entries(cache).c128,
-                  window=pools.window_ring(cache))
-    packed = {k: storage.encode_fp8_latent(v, r) for k, v in floats.items()}
-    decoded = {k: storage.decode_fp8_latent(v, model.head_dim, r) for k, v in packed.items()}
-    packed["csa_index"] = storage.encode_fp4_key(pools.csa_entries(cache).index_keys, rotated=True)
-    decoded["csa_index"] = storage.decode_fp4_key(packed["csa_index"], model.index_head_dim)
+                  window=pools.window_ring(cache), csa_index=pools.csa_entries(cache).index_keys)
+    packed, decoded = {}, {}
+    for name, stored in floats.items():
+        if name == "csa_index":
+            codec = storage.RowCodec("fp4_index", model.index_head_dim)
+            rows = storage.encode_fp4_key(stored.records(), rotated=True)
+        else:
+            codec = storage.RowCodec("fp8_latent", model.head_dim, r)
+            rows = codec.encode(stored.records())
+        packed[name] = codec.lanes(stored.map.records).pack(rows)
+        decoded[name] = stored.map.pack(codec.decode(rows))
     return cache, packed, decoded
 
 

@@ -86,11 +86,14 @@ def packed_case():
 def test_dense_decode_attention_reads_fp8_latent_entries(packed_case, implementation):
     c = packed_case
     kernel = kernel_function("dense_attention", implementation, "dense_decode_attention")
-    got = np.asarray(kernel(**c.args, c128=c.packed["hca"],
+    window, c128 = c.args["window"], c.packed["hca"]
+    args = dict(c.args, window=window.planes)
+    got = np.asarray(kernel(**args, c128=c128.planes,
                             inv_freq=rope.inv_frequencies(c.model, LayerKind.HCA),
                             ratio=c.model.hca_ratio,
                             block_sizes=BlockSizes(entries_per_block=16, num_splits=3),
                             interpret=INTERPRET, entry_format="fp8_latent",
-                            window_format="float32", rope_dim=c.model.rope_dim))
+                            window_format="float32", rope_dim=c.model.rope_dim,
+                            entry_lanes=c128.map.spec, window_lanes=window.map.spec))
     assert np.isfinite(got).all()
     assert_close(got, c.want, "float32")

@@ -56,7 +56,7 @@ def test_decoded_planes_are_the_storage_decode(fmt, width, rope_dim, backend):
     def decode(packed):
         if backend == "tpu":
             return formats.decode_tpu(lay, packed)
-        return formats.decode_gpu(lay, lambda cols: jnp.take(packed, cols[0], axis=1))
+        return formats.decode_gpu(lay, lambda cols, lo, hi: jnp.take(packed, cols[0], axis=1))
 
     planes = decode(packed)
     assert len(planes) == lay.n_planes
@@ -83,7 +83,10 @@ def test_v4_planes_waste_no_gpu_lane():
     assert (lay.n_planes, lay.plane_width) == (4, 128)
     assert (lay.lane_dims() >= 0).all()
     assert formats.layout("fp4_index", 128, 0, "gpu").plane_width == 16
-    assert formats.layout("fp8_latent", 512, 64, "tpu").plane_width == 146
+    assert formats.layout("fp8_latent", 512, 64, "tpu").plane_width == 146  # a whole row
+    # As the cache lays C4 entries out (128 + 16 + 2 words): a plane per part, side by side.
+    lanes = storage.RowCodec("fp8_latent", 512, 64).lanes(32)
+    assert formats.layout("fp8_latent", 512, 64, "tpu", lanes.spec).plane_width == 3 * 128
 
 
 def test_layout_errors_name_the_problem():
@@ -92,11 +95,19 @@ def test_layout_errors_name_the_problem():
     with pytest.raises(ValueError, match="power-of-two width >= 32"):
         formats.layout("fp4_index", 16, 0, "gpu")
     lay = formats.layout("fp8_latent", 512, 64, "tpu")
-    with pytest.raises(ValueError, match=r"c4: rows of fp8_latent .* are 146 wide; got last "
-                                         r"dim 512"):
+    with pytest.raises(ValueError, match=r"c4: plane 0 of fp8_latent rows \(width 512, "
+                                         r"rope_dim 64\) is \[\.\.\., 1, 146\]; got shape "
+                                         r"\(2, 512\)"):
         formats.check_stored(lay, jnp.zeros((2, 512), jnp.uint32), "c4")
     with pytest.raises(ValueError, match="uint32 words; got float32"):
         formats.check_stored(lay, jnp.zeros((2, 146), jnp.float32), "c4")
+    laid = formats.layout("fp8_latent", 512, 64, "tpu",
+                          storage.RowCodec("fp8_latent", 512, 64).lanes(32).spec)
+    with pytest.raises(ValueError, match=r"c4: rows of fp8_latent \(width 512\) in 3 "
+                                         r"plane\(s\); got 1"):
+        formats.check_stored(laid, (jnp.zeros((2, 32, 128), jnp.uint32),), "c4")
+    with pytest.raises(ValueError, match=r"parts: expected consecutive runs of the 146 words"):
+        formats.layout("fp8_latent", 512, 64, "tpu", (32, ((0, 128, 128, 32),)))
 
 
 def _e4m3_edges() -> np.ndarray:
@@ -160,9 +171,22 @@ def _gpu_planes(lay, rows):
             for first, stride, lanes in formats.gpu_encoder_planes(lay)]
 
 
+def _from_segments(segments, shape) -> np.ndarray:
+    """uint32 rows [G, S] of `encode_gpu` segments; every word written exactly once."""
+    got = np.zeros(shape, np.uint32)
+    written = np.zeros(shape[-1], np.int32)
+    for first, stride, words, n in segments:
+        cols = first + stride * np.arange(n)
+        got[:, cols] = np.asarray(words).view(np.uint32)[:, :n]
+        written[cols] += 1
+    np.testing.assert_array_equal(written, 1)
+    return got
+
+
 # V4 widths, a row without RoPE dims, the test width of indexer keys (kernel_cases).
 GPU_ENCODER_ROWS = [("fp8_latent", 512, 64), ("fp8_latent", 128, 0), ("fp4_index", 128, 0),
                     ("fp4_index", 64, 0)]
+FLOAT_FORMATS = ["float32", "bfloat16", "float16"]
 
 
 @pytest.mark.parametrize("fmt,width,rope_dim", GPU_ENCODER_ROWS)
@@ -176,10 +200,7 @@ def test_gpu_encoder_is_the_storage_encode(fmt, width, rope_dim):
     else:
         rows, want = storage.hadamard(x), storage.encode_fp4_key(x)
     segments = jax.jit(lambda planes: formats.encode_gpu(lay, planes))(_gpu_planes(lay, rows))
-    got = np.zeros(want.shape, np.uint32)
-    for first, words, n in segments:
-        got[:, first:first + n] = np.asarray(words).view(np.uint32)[:, :n]
-    np.testing.assert_array_equal(got, np.asarray(want))
+    np.testing.assert_array_equal(_from_segments(segments, want.shape), np.asarray(want))
     if fmt == "fp4_index":
         finite = jnp.asarray(np.random.default_rng(4).standard_normal((5, width)), jnp.float32)
         run = width // 4
@@ -189,3 +210,75 @@ def test_gpu_encoder_is_the_storage_encode(fmt, width, rope_dim):
         want_planes = _gpu_planes(lay, storage.hadamard(finite))
         np.testing.assert_allclose(np.asarray(planes), np.asarray(want_planes), rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FLOAT_FORMATS)
+def test_gpu_float_encoder_is_the_storage_encode(fmt):
+    """Float rows from their even / odd planes, whole or a run at a time (as the compressor
+    writes them), are the storage words bit for bit (16-bit floats: nearest even)."""
+    width = 64
+    lay = formats.layout(fmt, width, 0, "gpu")
+    x = _values(40, width, seed=5)
+    codec = storage.RowCodec(fmt, width)
+    want = np.asarray(codec.encode(x)).view(np.uint32)
+    got = _from_segments(jax.jit(lambda p: formats.encode_gpu(lay, p))(_gpu_planes(lay, x)),
+                         want.shape)
+    _assert_same_words(got, want, fmt)
+    rows, run, segments = np.asarray(x), 16, []
+    for c0 in range(0, width, run):
+        groups = ((c0, 2, run // 2), (c0 + 1, 2, run // 2))
+        planes = [jnp.asarray(rows[:, f + s * np.arange(n)]) for f, s, n in groups]
+        segments += formats.encode_gpu(lay, planes, groups)
+    _assert_same_words(_from_segments(segments, want.shape), want, fmt)
+    with pytest.raises(ValueError, match="pair even dims with the odd dims after them"):
+        formats.encode_gpu(formats.layout("bfloat16", 8, 0, "gpu"), [x[:, :2]] * 2,
+                           ((0, 2, 2), (2, 2, 2)))
+
+
+def _assert_same_words(got, want, fmt):
+    """Words equal, but NaN may be any NaN pattern (XLA's converts keep NaN payloads, the
+    kernels write the canonical NaN)."""
+    if fmt == "float32":
+        _assert_same_bits(got.view(np.float32), want.view(np.float32))
+        return
+    dtype = jnp.dtype(fmt)
+    halves = [np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(w), dtype)).astype(np.float32)
+              for w in (got, want)]
+    _assert_same_bits(*halves)
+
+
+# Every format in the lane-dense layouts of the cache's blocks: V4 C4 entries and indexer keys
+# (a wide part and narrow parts), a window ring of 128 rows, a page of one C128 entry.
+LANE_ROWS = [("fp8_latent", 512, 64, 32), ("fp4_index", 128, 0, 32), ("fp8_latent", 256, 64, 1),
+             ("fp4_index", 64, 0, 32), ("bfloat16", 256, 0, 32), ("float16", 128, 0, 128),
+             ("float32", 64, 0, 32), ("bfloat16", 32, 0, 16)]
+
+
+@pytest.mark.parametrize("fmt,width,rope_dim,records", LANE_ROWS)
+def test_gpu_decode_reads_lane_dense_blocks(fmt, width, rope_dim, records):
+    """`decode_gpu` through `gpu_loader` on the planes of blocks packed by their `LaneMap`
+    (records picked in any order, across blocks) gives the storage decode bit for bit, and
+    reads no padding lane (padding is NaN words)."""
+    from v4kv_jax.pools.lanes import LaneMap
+
+    codec = storage.RowCodec(fmt, width, rope_dim)
+    x = _values(3 * records, width, seed=6)
+    rows = storage.encode_fp4_key(x, rotated=True) if fmt == "fp4_index" else codec.encode(x)
+    want = codec.decode(rows)
+    lanes = LaneMap(codec.stored_width, records, codec.dtype)
+    pad = np.float32(np.nan) if fmt == "float32" else np.uint32(0xFFFFFFFF)
+    blocks = lanes.pack(rows.reshape(3, records, -1), pad=pad)
+    lay = formats.layout(fmt, width, rope_dim, "gpu", lanes.spec)
+    formats.check_stored(lay, blocks.planes, "blocks")
+    order = np.random.default_rng(0).permutation(3 * records).astype(np.int32)
+
+    @jax.jit
+    def decode(planes, order):
+        load = formats.gpu_loader(lay, planes, (order // records,), order % records)
+        return formats.decode_gpu(lay, load)
+
+    planes = decode(blocks.planes, order)
+    if fmt in formats.PACKED:
+        assert all(p.shape[-1] & (p.shape[-1] - 1) == 0 for p in planes)  # Triton shapes
+    _assert_same_bits(formats.from_planes(lay, jnp.stack(planes, axis=-2)),
+                      np.asarray(want)[order])

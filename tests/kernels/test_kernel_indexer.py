@@ -101,11 +101,12 @@ def packed_case():
 def test_index_scores_read_fp4_index(packed_case, implementation):
     c = packed_case
     kernel = kernel_function("indexer", implementation, "index_scores")
-    got = np.asarray(kernel(c.args["index_q"], c.args["index_weights"], c.packed["csa_index"],
+    keys = c.packed["csa_index"]
+    got = np.asarray(kernel(c.args["index_q"], c.args["index_weights"], keys.planes,
                             c.args["layer"], c.args["page_rows"], c.args["q_pos"],
                             c.args["kv_end"], ratio=c.model.csa_ratio,
                             block_sizes=BlockSizes(entries_per_block=64), interpret=INTERPRET,
-                            index_format="fp4_index"))
+                            index_format="fp4_index", index_lanes=keys.map.spec))
     width = min(c.want.shape[1], got.shape[1])
     want, got = c.want[:, :width], got[:, :width]
     candidates = np.isfinite(want)

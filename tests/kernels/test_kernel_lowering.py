@@ -1,6 +1,7 @@
 """Every kernel lowers for its platform at V4 sizes (hd 512, r 64, 64 heads, W 128, c 128,
-k 512, P 256; bf16 storage, and the read kernels also on the packed release formats):
-TPU kernels to Mosaic, GPU kernels to Triton IR.
+k 512, P 256; bf16 storage, and the read kernels also on the packed release formats), on
+planes laid out as the cache lays them out (`v4kv_jax.pools.lanes`): TPU kernels to Mosaic,
+GPU kernels to Triton IR.
 
 Lowering runs on CPU (cross-platform lowering), so CI catches a primitive, a block shape or a
 grid spec that the Mosaic or Triton lowering rejects. It does not run the Mosaic layout passes
@@ -23,70 +24,78 @@ from pallas_kernels.indexer import gpu as indexer_gpu
 from pallas_kernels.indexer import tpu as indexer_tpu
 from pallas_kernels.sparse_attention import gpu as sparse_gpu
 from pallas_kernels.sparse_attention import tpu as sparse_tpu
+from v4kv_jax.pools import storage
 
 B, H, HD, W, NI, C, K = 4, 64, 512, 128, 64, 128, 512
 P, PAGES, MAX_PAGES, LAYERS, KIND_LAYERS, T = 256, 64, 32, 4, 2, 64
-BF16, F32, I32, U32 = jnp.bfloat16, jnp.float32, jnp.int32, jnp.uint32
+F32, I32 = jnp.float32, jnp.int32
 
 
 def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-ATTENTION = dict(q=sds((B, H, HD), F32), sink=sds((H,), F32),
-                 window=sds((LAYERS, B, W, HD), BF16), window_layer=sds((), I32),
-                 slot_ids=sds((B,), I32), q_pos=sds((B,), I32), kv_end=sds((B,), I32))
+def stored(fmt: str, width: int, records: int, lead: tuple, rope_dim: int = 0):
+    """(planes as shape structs, lane map spec) of a stored array of `records`-row blocks
+    with leading dims `lead`, as the cache lays it out (`v4kv_jax.pools.lanes`)."""
+    lanes = storage.RowCodec(fmt, width, rope_dim).lanes(records)
+    return tuple(sds(shape, lanes.dtype) for shape in lanes.shapes(lead)), lanes.spec
+
+
 ROWS, FREQ = sds((B, MAX_PAGES), I32), sds((32,), F32)  # inv_freq of 64 RoPE dims
 
 
-# The release formats (issue 11): fp8_latent entries and window, fp4_index keys, as uint32 rows.
-FP8 = dict(entry_format="fp8_latent", window_format="fp8_latent", rope_dim=64)
-FP8_WORDS, FP4_WORDS = 146, 17
+def _attention(packed: bool) -> tuple[tuple, dict]:
+    """(the decode attention's arguments up to the entries, its format keywords): the
+    window in bf16, or in fp8_latent with the entries (the release formats)."""
+    fmt, rope = ("fp8_latent", 64) if packed else ("bfloat16", 0)
+    window, lanes = stored(fmt, HD, W, (LAYERS, B), rope)
+    args = (sds((B, H, HD), F32), sds((H,), F32), window, sds((), I32), sds((B,), I32),
+            sds((B,), I32), sds((B,), I32))
+    return args, dict(entry_format=fmt, window_format=fmt, rope_dim=64, window_lanes=lanes)
 
 
-def _attention(packed: bool) -> tuple:
-    if not packed:
-        return tuple(ATTENTION.values())
-    return tuple(dict(ATTENTION, window=sds((LAYERS, B, W, FP8_WORDS), U32)).values())
+def _entries(packed: bool, records: int):
+    return stored("fp8_latent" if packed else "bfloat16", HD, records, (KIND_LAYERS, PAGES),
+                  64 if packed else 0)
 
 
 def _sparse(module, packed=False):
-    width, dtype = (FP8_WORDS, U32) if packed else (HD, BF16)
+    args, kwargs = _attention(packed)
+    c4, lanes = _entries(packed, P // 4)
     return module.sparse_decode_attention, (
-        *_attention(packed), sds((KIND_LAYERS, PAGES, P // 4, width), dtype), sds((), I32), ROWS,
-        sds((B, K), I32), FREQ), FP8 if packed else {}
+        *args, c4, sds((), I32), ROWS, sds((B, K), I32), FREQ), dict(kwargs, entry_lanes=lanes)
 
 
 def _dense(module, packed=False):
-    width, dtype = (FP8_WORDS, U32) if packed else (HD, BF16)
-    return module.dense_decode_attention, (
-        *_attention(packed), sds((KIND_LAYERS, PAGES, P // 128, width), dtype), sds((), I32),
-        ROWS, FREQ), dict(ratio=128, **(FP8 if packed else {}))
+    args, kwargs = _attention(packed)
+    c128, lanes = _entries(packed, P // 128)
+    return module.dense_decode_attention, (*args, c128, sds((), I32), ROWS, FREQ), dict(
+        kwargs, entry_lanes=lanes, ratio=128)
 
 
 def _indexer(module, packed=False):
-    width, dtype = (FP4_WORDS, U32) if packed else (C, BF16)
+    fmt = "fp4_index" if packed else "bfloat16"
+    keys, lanes = stored(fmt, C, P // 4, (KIND_LAYERS, PAGES))
     return module.index_scores, (
-        sds((B, NI, C), F32), sds((B, NI), F32), sds((KIND_LAYERS, PAGES, P // 4, width), dtype),
-        sds((), I32), ROWS, sds((B,), I32), sds((B,), I32)), dict(
-        ratio=4, **(dict(index_format="fp4_index") if packed else {}))
+        sds((B, NI, C), F32), sds((B, NI), F32), keys, sds((), I32), ROWS, sds((B,), I32),
+        sds((B,), I32)), dict(ratio=4, index_format=fmt, index_lanes=lanes)
 
 
 def _compress(module, ratio, overlap, packed=False, width=HD):
-    """packed: fp8_latent entries (width HD), fp4_index keys (width C)."""
+    """packed: fp8_latent entries (width HD), fp4_index keys (width C); else bf16."""
     in_width = 2 * width if overlap else width
     ring = 2 * ratio if overlap else ratio
-    fmt = ("fp8_latent" if width == HD else "fp4_index") if packed else None
-    pool = sds((KIND_LAYERS, PAGES, P // ratio, FP8_WORDS if width == HD else FP4_WORDS),
-               U32) if packed else sds((KIND_LAYERS, PAGES, P // ratio, width), BF16)
+    fmt = ("fp8_latent" if width == HD else "fp4_index") if packed else "bfloat16"
+    pool, pool_lanes = stored(fmt, width, P // ratio, (KIND_LAYERS, PAGES),
+                              64 if fmt == "fp8_latent" else 0)
+    tail, tail_lanes = stored("float32", in_width, ring, (KIND_LAYERS, B))
     return module.emit_entries, (
-        pool, ROWS, sds((KIND_LAYERS,), I32),
-        sds((KIND_LAYERS, B, ring, in_width), F32), sds((KIND_LAYERS, B, ring, in_width), F32),
-        sds((B,), I32), sds((KIND_LAYERS, B, T, in_width), F32),
-        sds((KIND_LAYERS, B, T, in_width), F32), sds((B,), I32), sds((B,), I32),
-        sds((KIND_LAYERS, width), F32), FREQ), dict(
-        ratio=ratio, overlap=overlap, eps=1e-6,
-        **(dict(entry_format=fmt, rope_dim=64) if packed else {}))
+        pool, ROWS, sds((KIND_LAYERS,), I32), tail, tail, sds((B,), I32),
+        sds((KIND_LAYERS, B, T, in_width), F32), sds((KIND_LAYERS, B, T, in_width), F32),
+        sds((B,), I32), sds((B,), I32), sds((KIND_LAYERS, width), F32), FREQ), dict(
+        ratio=ratio, overlap=overlap, eps=1e-6, entry_format=fmt, rope_dim=64,
+        entry_lanes=pool_lanes, tail_lanes=tail_lanes)
 
 
 KERNELS = {
@@ -166,14 +175,15 @@ def test_gpu_kernels_lower_to_triton(kernel):
 def _online(module, packed):
     """The online HCA tail (m' 128) folding a chunk of T tokens, C128 entries in bf16 or
     fp8_latent."""
-    pool = sds((KIND_LAYERS, PAGES, P // 128, FP8_WORDS), U32) if packed else sds(
-        (KIND_LAYERS, PAGES, P // 128, HD), BF16)
-    tail = sds((KIND_LAYERS, B, HD), F32)
+    fmt = "fp8_latent" if packed else "bfloat16"
+    pool, pool_lanes = stored(fmt, HD, P // 128, (KIND_LAYERS, PAGES), 64 if packed else 0)
+    tail, tail_lanes = stored("float32", HD, 1, (KIND_LAYERS, B))
     return module.emit_entries_online, (
         pool, ROWS, sds((KIND_LAYERS,), I32), tail, tail, tail, sds((B,), I32),
         sds((KIND_LAYERS, B, T, HD), F32), sds((KIND_LAYERS, B, T, HD), F32), sds((B,), I32),
         sds((B,), I32), sds((KIND_LAYERS, HD), F32), FREQ), dict(
-        ratio=128, eps=1e-6, **(dict(entry_format="fp8_latent", rope_dim=64) if packed else {}))
+        ratio=128, eps=1e-6, entry_format=fmt, rope_dim=64, entry_lanes=pool_lanes,
+        tail_lanes=tail_lanes)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])

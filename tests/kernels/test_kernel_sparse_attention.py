@@ -100,11 +100,13 @@ def packed_case():
 def test_sparse_decode_attention_reads_fp8_latent(packed_case, implementation):
     kernel = kernel_function("sparse_attention", implementation, "sparse_decode_attention")
     c = packed_case
-    got = kernel(**c.args, window=c.packed["window"], c4=c.packed["csa"],
+    window, c4 = c.packed["window"], c.packed["csa"]
+    got = kernel(**c.args, window=window.planes, c4=c4.planes,
                  inv_freq=rope.inv_frequencies(c.model, LayerKind.CSA),
                  block_sizes=BlockSizes(picks_per_block=16, num_splits=2),
                  interpret=INTERPRET, entry_format="fp8_latent", window_format="fp8_latent",
-                 rope_dim=c.model.rope_dim)
+                 rope_dim=c.model.rope_dim, entry_lanes=c4.map.spec,
+                 window_lanes=window.map.spec)
     got = np.asarray(got)
     assert np.isfinite(got).all()
     assert_close(got, c.want, "float32")

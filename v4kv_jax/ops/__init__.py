@@ -78,11 +78,13 @@ from v4kv_jax.pools.layout import of as layout_of
 from v4kv_jax.vectors import Queries
 
 
-def _read_formats(model: AttentionConfig, geometry: CacheConfig) -> dict:
+def _read_formats(model: AttentionConfig, geometry: CacheConfig, window: pools.Lanes,
+                  entries: pools.Lanes) -> dict:
     """Static format arguments of the decode attention kernels: they read the window ring and
-    the entries as stored (packed rows decoded in the kernel)."""
+    the entries as stored (words decoded in the kernel), where their lane maps say."""
     return dict(entry_format=geometry.entry_dtype, window_format=geometry.window_dtype,
-                rope_dim=model.rope_dim)
+                rope_dim=model.rope_dim, entry_lanes=entries.map.spec,
+                window_lanes=window.map.spec)
 
 
 # --- the ops with a kernel ---------------------------------------------------------------------
@@ -117,11 +119,18 @@ def emit_entries(spec: CompressorSpec, model: AttentionConfig, geometry: CacheCo
     if spec.name in fixed.host:
         return reference()
     codec = fixed.rows[spec.name]
-    return _dispatch("emit_entries", model, geometry, options, reference, lambda kernel, choice:
-                     kernel(*arrays.values(), fixed.inv_freq[spec.kind],
-                            ratio=spec.ratio, overlap=spec.overlap, eps=model.rms_eps,
-                            block_sizes=choice.block_sizes, interpret=choice.interpret,
-                            entry_format=codec.fmt, rope_dim=codec.rope_dim), spec)
+
+    def run_kernel(kernel, choice):
+        planes = dict(arrays, pool=pool.planes, tail_kv=tail_kv.planes,
+                      tail_gate=tail_gate.planes)
+        out = kernel(*planes.values(), fixed.inv_freq[spec.kind], ratio=spec.ratio,
+                     overlap=spec.overlap, eps=model.rms_eps, block_sizes=choice.block_sizes,
+                     interpret=choice.interpret, entry_format=codec.fmt,
+                     rope_dim=codec.rope_dim, tail_format=geometry.tail_dtype,
+                     entry_lanes=pool.map.spec, tail_lanes=tail_kv.map.spec)
+        return pools.Lanes(tuple(out), pool.map)
+
+    return _dispatch("emit_entries", model, geometry, options, reference, run_kernel, spec)
 
 
 def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: CacheConfig,
@@ -149,12 +158,18 @@ def emit_entries_online(spec: CompressorSpec, model: AttentionConfig, geometry: 
 
     def run_kernel(kernel, choice):
         codec = fixed.rows[spec.name]
-        out, state = kernel(pool, page_rows, layers, tail.max, tail.sum, tail.weighted,
+        out, state = kernel(None if pool is None else pool.planes, page_rows, layers,
+                            tail.max.planes, tail.sum.planes, tail.weighted.planes,
                             slot_ids, kv, gate, start, n_new, norm,
                             fixed.inv_freq[spec.kind], ratio=spec.ratio,
                             eps=model.rms_eps, interpret=choice.interpret,
-                            entry_format=codec.fmt, rope_dim=codec.rope_dim)
-        return out, pools.OnlineTail(*state)
+                            entry_format=codec.fmt, rope_dim=codec.rope_dim,
+                            tail_format=geometry.tail_dtype,
+                            entry_lanes=fixed.lanes[spec.name].spec,
+                            tail_lanes=tail.max.map.spec)
+        tail_map = tail.max.map
+        return (None if out is None else pools.Lanes(tuple(out), pool.map),
+                pools.OnlineTail(*(pools.Lanes(tuple(x), tail_map) for x in state)))
 
     return _dispatch("emit_entries_online", model, geometry, options, reference, run_kernel,
                      spec)
@@ -170,7 +185,8 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     Capacity is at least max_pages_per_seq * P // m.
 
     Args:
-      index_keys: [n_csa, num_pages, P // m, c]; layer: index in the CSA stack.
+      index_keys: the indexer keys (`pools.Lanes` of blocks [n_csa, num_pages]); layer:
+        index in the CSA stack.
       page_rows: i32[B, max_pages_per_seq].
       index_q: f32[B, nI, c] (RoPE per head); index_weights: f32[B, nI] raw head weights.
       q_pos, kv_end: i32[B].
@@ -190,9 +206,10 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     def run_kernel(kernel, choice):
         """The kernel's scores at the reference's capacity, so that the platforms' branches
         agree: both pad past max_pages_per_seq pages (to their own blocks) with -inf."""
-        scores = kernel(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv_end,
-                        ratio=model.csa_ratio, block_sizes=choice.block_sizes,
-                        interpret=choice.interpret, index_format=geometry.index_dtype)
+        scores = kernel(index_q, index_weights, index_keys.planes, layer, page_rows, q_pos,
+                        kv_end, ratio=model.csa_ratio, block_sizes=choice.block_sizes,
+                        interpret=choice.interpret, index_format=geometry.index_dtype,
+                        index_lanes=index_keys.map.spec)
         width = indexer.score_capacity(model, geometry, _options(options), page_rows.shape[1])
         if scores.shape[1] >= width:
             return scores[:, :width]
@@ -224,12 +241,14 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     inv_freq = _layout(model, geometry, layout).inv_freq[LayerKind.CSA]
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4, c4_layer, page_rows,
             picks)
+    planes = (q, sink, window.planes, window_layer, slot_ids, q_pos, kv_end, c4.planes,
+              c4_layer, page_rows, picks)
     return _dispatch(
         "sparse_decode_attention", model, geometry, options,
         lambda: attention.sparse_decode_attention(model, geometry, _options(options), *args),
-        lambda kernel, choice: kernel(*args, inv_freq,
+        lambda kernel, choice: kernel(*planes, inv_freq,
                                       block_sizes=choice.block_sizes, interpret=choice.interpret,
-                                      **_read_formats(model, geometry)))
+                                      **_read_formats(model, geometry, window, c4)))
 
 
 def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
@@ -242,13 +261,15 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
     `layout` as `emit_entries`)."""
     inv_freq = _layout(model, geometry, layout).inv_freq[LayerKind.HCA]
     args = (q, sink, window, window_layer, slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)
+    planes = (q, sink, window.planes, window_layer, slot_ids, q_pos, kv_end, c128.planes,
+              c128_layer, page_rows)
     return _dispatch(
         "dense_decode_attention", model, geometry, options,
         lambda: attention.dense_decode_attention(model, geometry, _options(options), *args),
-        lambda kernel, choice: kernel(*args, inv_freq,
+        lambda kernel, choice: kernel(*planes, inv_freq,
                                       ratio=model.hca_ratio, block_sizes=choice.block_sizes,
                                       interpret=choice.interpret,
-                                      **_read_formats(model, geometry)))
+                                      **_read_formats(model, geometry, window, c128)))
 
 
 # --- the read door -----------------------------------------------------------------------------
@@ -259,16 +280,26 @@ class WindowKeys:
     """The window keys a chunk's queries read, as stored (`CacheConfig.window_dtype`).
 
     Attributes:
-      ring: [B, W, sw(hd)] each row's window ring (position p at row p % W), holding every
-        position in [end - W, end) that is >= 0.
+      ring: each row's window ring, `pools.Lanes` of blocks [B] (W rows of sw(hd), position
+        p at row p % W), holding every position in [end - W, end) that is >= 0; or, with
+        `layer` and `slots`, the window rings of the cache (blocks [n_layers, max_slots]),
+        row b's ring being block (layer, slots[b]) (the decode kernels read it there: no
+        copy of the rows' rings is gathered first).
       end: i32[B], the first position the ring does not hold.
       chunk: [B, T, sw(hd)] the rows of positions end .. end + T - 1 (a prefill chunk's own
         keys, encoded), or None: the ring holds every key the queries may see.
+      layer: the global layer (i32[]) of the rings, with `slots` i32[B] (in range).
     """
 
-    ring: jax.Array
+    ring: pools.Lanes
     end: jax.Array
     chunk: jax.Array | None = None
+    layer: jax.Array | None = None
+    slots: jax.Array | None = None
+
+    def rows(self) -> pools.Lanes:
+        """The rows' rings, blocks [B]."""
+        return self.ring if self.layer is None else self.ring[self.layer, self.slots]
 
 
 @struct.dataclass
@@ -278,18 +309,18 @@ class Stored:
     Attributes:
       layer: index of the layer in its kind's stack (may be traced).
       page_rows: i32[B, max_pages_per_seq], the rows' page-table rows (-1: no page).
-      entries: the kind's entries of every layer (C4 [n_csa, ...] for CSA, C128 [n_hca, ...]
-        for HCA; None for SWA).
-      index_keys: CSA only: the indexer keys [n_csa, ...].
+      entries: the kind's entries of every layer (`pools.Lanes`: C4 blocks [n_csa,
+        num_pages] for CSA, C128 [n_hca, num_pages] for HCA; None for SWA).
+      index_keys: CSA only: the indexer keys (blocks [n_csa, num_pages]).
       hot: CSA only, with a hot set (`CacheConfig.hot_set_rows` > 0): the layer's hot sets
-        of the rows (`pools.hot_rows`, [B, H, ...]); the sparse read reads only them.
+        of the rows (`pools.hot_rows`, blocks [B]); the sparse read reads only them.
         Required when the C4 entries live in host memory (c4_tier="host").
     """
 
     layer: jax.Array
     page_rows: jax.Array
-    entries: jax.Array | None = None
-    index_keys: jax.Array | None = None
+    entries: pools.Lanes | None = None
+    index_keys: pools.Lanes | None = None
     hot: pools.HotSet | None = None
 
 
@@ -346,6 +377,18 @@ def read(kind: LayerKind, model: AttentionConfig, geometry: CacheConfig,
                        stored)
 
 
+def _check_lanes(name: str, x, lead: tuple, records: int | None) -> None:
+    """Raises naming `name` unless x is a `pools.Lanes` with leading dims `lead` (and
+    `records` rows a block, unless None)."""
+    if not isinstance(x, pools.Lanes):
+        checks.fail(name, "a pools.Lanes (a stored array of the cache)", type(x).__name__,
+                    TypeError)
+    if x.lead != tuple(lead):
+        checks.fail(name, f"blocks {list(lead)}", f"blocks {list(x.lead)}")
+    if records is not None and x.map.records != records:
+        checks.fail(name, f"blocks of {records} rows", f"blocks of {x.map.records} rows")
+
+
 def _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored) -> None:
     """Static checks of `read`'s arguments (they run inside jit too), naming the argument."""
     if not isinstance(kind, LayerKind):
@@ -355,10 +398,15 @@ def _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored) -
     batch, tokens = queries.q.shape[:2]
     checks.shape("q_pos", q_pos, (batch, tokens))
     checks.shape("kv_end", kv_end, (batch,))
-    checks.shape("window.ring", window.ring, (batch, model.window, None))
+    if window.layer is None:
+        _check_lanes("window.ring", window.ring, (batch,), model.window)
+    else:
+        _check_lanes("window.ring", window.ring, (model.num_layers, geometry.max_slots),
+                     model.window)
+        checks.shape("window.slots", window.slots, (batch,))
     checks.shape("window.end", window.end, (batch,))
     if window.chunk is not None:
-        checks.shape("window.chunk", window.chunk, (batch, tokens, window.ring.shape[-1]))
+        checks.shape("window.chunk", window.chunk, (batch, tokens, window.ring.map.words))
     checks.shape("stored.page_rows", stored.page_rows, (batch, None))
     needed = {LayerKind.CSA: ("entries", "index_keys"), LayerKind.HCA: ("entries",),
               LayerKind.SWA: ()}[kind]
@@ -372,8 +420,10 @@ def _check_read(kind, model, geometry, queries, q_pos, kv_end, window, stored) -
         if kind != LayerKind.CSA:
             checks.fail("stored.hot", f"None for a {kind.name} layer (hot sets are CSA's)",
                         "a HotSet")
-        checks.shape("stored.hot.rows", stored.hot.rows,
-                     (batch, None, stored.entries.shape[-1]))
+        _check_lanes("stored.hot.rows", stored.hot.rows, (batch,), None)
+        if stored.hot.rows.map.words != stored.entries.map.words:
+            checks.fail("stored.hot.rows", f"rows of {stored.entries.map.words} words (the C4 "
+                        "entries')", f"rows of {stored.hot.rows.map.words} words")
     if kind == LayerKind.CSA and (queries.index_q is None or queries.index_weights is None):
         checks.fail("queries.index_q / queries.index_weights", "the indexer queries of a CSA "
                     "layer", None)
@@ -383,9 +433,13 @@ def _read_decode(kind, model, geometry, options, fixed, queries, q_pos, kv_end, 
                  stored):
     """One query per row: the ops with kernels. The rows' rings are handed to them as a
     ring of one layer whose slot b is row b."""
-    common = dict(q=queries.q[:, 0], sink=queries.sink, window=window.ring[None],
-                  window_layer=0, slot_ids=jnp.arange(q_pos.shape[0], dtype=jnp.int32),
-                  q_pos=q_pos, kv_end=kv_end)
+    if window.layer is None:  # the rows' rings as a ring stack of one layer
+        ring, ring_layer, ring_slots = (window.ring[None], 0,
+                                        jnp.arange(q_pos.shape[0], dtype=jnp.int32))
+    else:
+        ring, ring_layer, ring_slots = window.ring, window.layer, window.slots
+    common = dict(q=queries.q[:, 0], sink=queries.sink, window=ring, window_layer=ring_layer,
+                  slot_ids=ring_slots, q_pos=q_pos, kv_end=kv_end)
     if kind == LayerKind.HCA:
         out = dense_decode_attention(model, geometry, options, layout=fixed,
                                      c128=stored.entries,
@@ -418,11 +472,12 @@ def _read_chunk(kind, model, geometry, options, fixed, queries, q_pos, kv_end, k
 
     if kind != LayerKind.CSA:
         return attend(queries.q, q_pos, None, stored), None, None
-    picks = indexer.index_topk(model, geometry, options, layout=fixed,
-                               index_keys=stored.index_keys,
-                               layer=stored.layer, page_rows=stored.page_rows,
-                               index_q=indexer.prepare_index_query(geometry, queries.index_q),
-                               index_weights=queries.index_weights, q_pos=q_pos, kv_end=kv_end)
+    picks = indexer.running_topk(model, geometry, options, layout=fixed,
+                                 index_keys=stored.index_keys,
+                                 layer=stored.layer, page_rows=stored.page_rows,
+                                 index_q=indexer.prepare_index_query(geometry, queries.index_q),
+                                 index_weights=queries.index_weights, q_pos=q_pos,
+                                 kv_end=kv_end)
     if stored.hot is None:
         rows, stored = make_resident(geometry, picks, q_pos, stored)
         return attend(queries.q, q_pos, rows, stored), picks, None
@@ -460,7 +515,7 @@ def _read_tiles(kind, model, geometry, options, fixed, queries, q_pos, kv_end, w
     """A chunk of queries, `options.query_tile` at a time (bounds memory, not results): each
     tile reads the W keys before its first query and its own."""
     W = model.window
-    keys = attention.ordered_window(window.ring, window.end)
+    keys = attention.ordered_window(window.rows().records(), window.end)
     if window.chunk is not None:
         keys = jnp.concatenate([keys, window.chunk], axis=1)
     base = window.end - W

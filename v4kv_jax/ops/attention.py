@@ -140,7 +140,7 @@ def _fold_picks(state: _Softmax, q: jax.Array, key_sets, join: bool, entries: ja
 
 
 def ordered_window(ring: jax.Array, kv_end: jax.Array) -> jax.Array:
-    """[B, W, hd] ring -> rows ordered by position: row e is position kv_end - W + e."""
+    """Ring rows [B, W, sw] -> rows ordered by position: row e is position kv_end - W + e."""
     W = ring.shape[1]
     rows = (kv_end[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]) % W
     return jnp.take_along_axis(ring, rows[..., None], axis=1)
@@ -157,7 +157,8 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
       model, geometry, options: static configs.
       kind: the layer's kind (static).
       layer: index into the stack of that kind (may be traced); unused for SWA.
-      entries: the kind's Classical array (C4 for CSA, C128 for HCA), None for SWA.
+      entries: the kind's Classical array (`pools.Lanes`: C4 for CSA, C128 for HCA), None
+        for SWA.
       page_rows: i32[B, max_pages_per_seq].
       q: f32[B, T, H, hd] queries (RoPE applied); sink: f32[H].
       q_pos: i32[B, T] query positions.
@@ -223,7 +224,7 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
 
 def _decode(model, geometry, options, kind, q, sink, window, window_layer, slot_ids, q_pos,
             kv_end, entries, entry_layer, page_rows, picks=None):
-    ring = window[window_layer, slot_ids]
+    ring = window[window_layer, slot_ids].records()
     out = attend(model, geometry, options, kind, layer=entry_layer, entries=entries,
                  page_rows=page_rows, q=q[:, None], sink=sink, q_pos=q_pos[:, None],
                  kv_end=kv_end, window_keys=ordered_window(ring, kv_end),
@@ -241,11 +242,12 @@ def sparse_decode_attention(model: AttentionConfig, geometry: CacheConfig, optio
 
     Args:
       q: f32[B, H, hd] (RoPE applied); sink: f32[H].
-      window: the State pool's rings [n_layers, max_slots, W, sw(hd)] as stored;
-        window_layer: global layer.
+      window: the State pool's rings (`pools.Lanes` of blocks [n_layers, max_slots]) as
+        stored; window_layer: global layer.
       slot_ids, q_pos, kv_end: i32[B]: the slot, the query position and the tokens in the
         sequence (the ring holds every position below kv_end).
-      c4: [n_csa, num_pages, P // m, sw(hd)] as stored; c4_layer: index in the CSA stack.
+      c4: the C4 entries (`pools.Lanes` of blocks [n_csa, num_pages]) as stored; c4_layer:
+        index in the CSA stack.
       page_rows: i32[B, max_pages_per_seq]; picks: i32[B, k] entry ids (-1 = none).
 
     Returns:
@@ -261,8 +263,8 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig, option
                            c128: jax.Array, c128_layer, page_rows: jax.Array) -> jax.Array:
     """HCA decode attention of one query per slot: window ring + every visible C128 entry.
 
-    Arguments as `sparse_decode_attention` without picks; c128 is [n_hca, num_pages,
-    P // m', sw(hd)] as stored.
+    Arguments as `sparse_decode_attention` without picks; c128 is the C128 entries
+    (`pools.Lanes` of blocks [n_hca, num_pages]) as stored.
     """
     return _decode(model, geometry, options, LayerKind.HCA, q, sink, window, window_layer,
                    slot_ids, q_pos, kv_end, c128, c128_layer, page_rows)

@@ -128,7 +128,7 @@ def _over_layers(fn, sequential: bool, *xs):
     return jax.vmap(fn)(*xs)
 
 
-def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: jax.Array,
+def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: pools.Lanes,
                  page_rows: jax.Array, layers: jax.Array, tail_kv: jax.Array,
                  tail_gate: jax.Array, slot_ids: jax.Array, kv: jax.Array, gate: jax.Array,
                  start: jax.Array, n_new: jax.Array, norm: jax.Array) -> jax.Array:
@@ -139,10 +139,10 @@ def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: jax.Array,
     Args:
       layout: what the configs fix (`cache.layout`): the pool's row codec, the kind's RoPE
         table, entries per page.
-      pool: the compressor's Classical array [n_kind, num_pages, P // m, width].
+      pool: the compressor's Classical array (`pools.Lanes` of blocks [n_kind, num_pages]).
       page_rows: i32[B, max_pages_per_seq] of the batch's slots.
       layers: i32[n] indices into the kind's stack.
-      tail_kv, tail_gate: the compressor's rings [n_kind, max_slots, ring, in_width], as
+      tail_kv, tail_gate: the compressor's rings (blocks [n_kind, max_slots]), as
         they were BEFORE this chunk.
       slot_ids, start, n_new: i32[B] slot, length before the chunk, tokens appended.
       kv, gate: f32[n, B, T, in_width], the chunk (gate already biased).
@@ -158,8 +158,8 @@ def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: jax.Array,
     tail_rows = layout.tail_rows[spec.name]
 
     def emit():
-        old_kv = tail_rows.decode(tail_kv[layers[:, None], slot_ids[None, :]])
-        old_gate = tail_rows.decode(tail_gate[layers[:, None], slot_ids[None, :]])
+        old_kv = tail_rows.decode(tail_kv[layers[:, None], slot_ids[None, :]].records())
+        old_gate = tail_rows.decode(tail_gate[layers[:, None], slot_ids[None, :]].records())
 
         def one_layer(tkv, tgate, ckv, cgate, weight):
             return pool_blocks(spec, config, tkv, tgate, ckv, cgate, start, block, weight,
@@ -173,7 +173,7 @@ def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: jax.Array,
     return write_entries(spec, layout, pool, page_rows, layers, block, done, entries)
 
 
-def write_entries(spec: CompressorSpec, layout: CacheLayout, pool: jax.Array,
+def write_entries(spec: CompressorSpec, layout: CacheLayout, pool: pools.Lanes,
                   page_rows: jax.Array, layers: jax.Array, block: jax.Array, done: jax.Array,
                   entries: jax.Array) -> jax.Array:
     """Encodes f32 entries [n, B, nb, width] of blocks `block` i32[B, nb] in the pool's
@@ -262,7 +262,7 @@ def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Arr
 
 
 def emit_entries_online(spec: CompressorSpec, layout: CacheLayout, *,
-                        pool: jax.Array | None, page_rows: jax.Array, layers: jax.Array,
+                        pool: pools.Lanes | None, page_rows: jax.Array, layers: jax.Array,
                         tail: pools.OnlineTail, slot_ids: jax.Array, kv: jax.Array,
                         gate: jax.Array, start: jax.Array, n_new: jax.Array,
                         norm: jax.Array) -> tuple[jax.Array | None, pools.OnlineTail]:
@@ -272,11 +272,11 @@ def emit_entries_online(spec: CompressorSpec, layout: CacheLayout, *,
     Args:
       layout: what the configs fix (`cache.layout`): the row codecs of the pool and the
         tails, the RoPE table, entries per page.
-      pool: the C128 entries [n_hca, num_pages, P // m', sw(width)], or None to update the
+      pool: the C128 entries (blocks [n_hca, num_pages]), or None to update the
         tails only (a state-only replay).
       page_rows: i32[B, max_pages_per_seq] of the batch's slots.
       layers: i32[n] indices into the HCA stack.
-      tail: the `pools.OnlineTail` of the stack, [n_hca, max_slots, width] each.
+      tail: the `pools.OnlineTail` of the stack (blocks [n_hca, max_slots] of one row).
       slot_ids: i32[B], each row's slot; a row with an id outside [0, max_slots) or with
         n_new 0 changes nothing.
       kv, gate: f32[n, B, T, width], the chunk (gate already biased).
@@ -286,11 +286,11 @@ def emit_entries_online(spec: CompressorSpec, layout: CacheLayout, *,
     Returns:
       (the updated pool, or None, the updated `OnlineTail`).
     """
-    S = tail.max.shape[1]
+    S = tail.max.lead[1]
     read = jnp.clip(slot_ids, 0, S - 1)
     codec = layout.tail_rows[spec.name]
-    state = tuple(codec.decode(x[layers[:, None], read[None, :]]) for x in
-                  (tail.max, tail.sum, tail.weighted))
+    state = tuple(codec.decode(x[layers[:, None], read[None, :]].records()[..., 0, :])
+                  for x in (tail.max, tail.sum, tail.weighted))
     config, inv_freq = layout.model, layout.inv_freq[spec.kind]
 
     def one_layer(mx, s, u, ckv, cgate, weight):
@@ -305,6 +305,6 @@ def emit_entries_online(spec: CompressorSpec, layout: CacheLayout, *,
         pool = write_entries(spec, layout, pool, page_rows, layers, block, done, entries)
     dest = jnp.where((slot_ids >= 0) & (slot_ids < S) & (n_new > 0), slot_ids, S)
     new_tail = pools.OnlineTail(*(
-        x.at[layers[:, None], dest[None, :]].set(codec.encode(v), mode="drop")
+        x.put((layers[:, None], dest[None, :]), 0, codec.encode(v))
         for x, v in zip((tail.max, tail.sum, tail.weighted), new_state, strict=True)))
     return pool, new_tail

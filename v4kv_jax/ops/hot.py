@@ -77,8 +77,8 @@ def resident(picks: jax.Array, q_pos: jax.Array, hot: HotSet, entries: jax.Array
     Args:
       picks: i32[B, G, k] the indexer's picks of G queries per row (at most H distinct).
       q_pos: i32[B, G] their positions (the LRU clock).
-      hot: the layer's hot sets of the batch's rows (`pools.hot_rows`): [B, H, ...].
-      entries, layer, page_rows: the C4 entries [n_csa, num_pages, P // m, sw], the layer's
+      hot: the layer's hot sets of the batch's rows (`pools.hot_rows`): blocks [B].
+      entries, layer, page_rows: the C4 entries (blocks [n_csa, num_pages]), the layer's
         index in them and the rows' page-table rows, where misses are fetched from.
       host: the entries live in host memory (c4_tier="host"): only the misses' rows are
         gathered there and copied to the device (`pools.take_rows`).
@@ -86,13 +86,20 @@ def resident(picks: jax.Array, q_pos: jax.Array, hot: HotSet, entries: jax.Array
     A pick whose page is absent reads nothing, as in a read from the pool.
     """
     batch, groups, k = picks.shape
-    page, _ = paging.entry_pages(page_rows, picks, entries.shape[2])
+    page, _ = paging.entry_pages(page_rows, picks, entries.map.records)
     flat = jnp.where(page >= 0, picks, -1).reshape(batch, groups * k)
     clock = jnp.max(q_pos, axis=1) + 1
-    out, fetch, dest, held, used = jax.vmap(_assign)(flat, clock, hot.held, hot.used)
+    out, fetch, dest, held, used = jax.vmap(_assign)(flat, clock, hot_ids(hot.held),
+                                                     hot_ids(hot.used))
     fetched = _fetch(entries, layer, page_rows, fetch, host)
-    rows = hot.rows.at[jnp.arange(batch)[:, None], dest].set(fetched, mode="drop")
-    return out.reshape(batch, groups, k), HotSet(rows, held, used)
+    rows = hot.rows.put((jnp.arange(batch)[:, None],), dest, fetched)
+    return out.reshape(batch, groups, k), HotSet(rows, hot.held.map.pack(held[..., None]),
+                                                 hot.used.map.pack(used[..., None]))
+
+
+def hot_ids(stored: pools.Lanes) -> jax.Array:
+    """i32[B, H] of a hot set's held or used words (blocks [B] of H one-word rows)."""
+    return stored.records()[..., 0]
 
 
 def _fetch(entries: jax.Array, layer, page_rows: jax.Array, fetch: jax.Array, host: bool
@@ -101,8 +108,9 @@ def _fetch(entries: jax.Array, layer, page_rows: jax.Array, fetch: jax.Array, ho
     From the device pool: one gather. From host memory: FETCH_ROWS rows per row at a time,
     as many times as the row with the most misses needs, so the bytes that cross follow the
     misses."""
+    epp = entries.map.records
     if not host:
-        page, row = paging.entry_pages(page_rows, fetch, entries.shape[2])
+        page, row = paging.entry_pages(page_rows, fetch, epp)
         return pools.take_rows(entries, layer, page, row, host=False)
     batch, n = fetch.shape
     blocks = -(-n // FETCH_ROWS)
@@ -111,11 +119,11 @@ def _fetch(entries: jax.Array, layer, page_rows: jax.Array, fetch: jax.Array, ho
 
     def block(i, out):
         ids = jax.lax.dynamic_slice_in_dim(fetch, i * FETCH_ROWS, FETCH_ROWS, axis=1)
-        page, row = paging.entry_pages(page_rows, ids, entries.shape[2])
+        page, row = paging.entry_pages(page_rows, ids, epp)
         rows = pools.take_rows(entries, layer, page, row, host=True)
         return jax.lax.dynamic_update_slice_in_dim(out, rows, i * FETCH_ROWS, axis=1)
 
-    out = jnp.zeros((batch, blocks * FETCH_ROWS, entries.shape[-1]), entries.dtype)
+    out = jnp.zeros((batch, blocks * FETCH_ROWS, entries.map.words), entries.dtype)
     return jax.lax.fori_loop(0, needed, block, out)[:, :n]
 
 
@@ -123,8 +131,9 @@ def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: H
                    group: int, make_resident
                    ) -> tuple[jax.Array, jax.Array, jax.Array, HotSet]:
     """A chunk's picks made resident `group` queries at a time, in position order, and each
-    query's picked rows copied out while its group holds them: (entries [1, B * T * k, 1,
-    sw], page_rows i32[B, T * k], ids i32[B, T, k], the new `HotSet`).
+    query's picked rows copied out while its group holds them: (entries, blocks
+    [1, B * T * k] of one row, page_rows i32[B, T * k], ids i32[B, T, k], the new
+    `HotSet`).
 
     The three are a pool of one entry per page that a sparse read of the whole chunk reads
     with `ids` where it would read the pool with `picks`: the same rows in the same columns,
@@ -135,7 +144,7 @@ def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: H
       picks: i32[B, T, k] the indexer's picks of the chunk's queries; q_pos: i32[B, T] their
         positions; kv_end: i32[B] (a query at or past it, padding, makes nothing resident
         and reads no entry).
-      hot: the rows' hot sets [B, H, ...]; group: queries made resident at once.
+      hot: the rows' hot sets (blocks [B]); group: queries made resident at once.
       make_resident: (picks i32[B, group, k], q_pos i32[B, group], hot sets) -> (the hot
         rows of the picks, the `ops.Stored` they are read from, with the new hot sets):
         `ops.make_resident`, the one place picks are made readable.
@@ -165,15 +174,16 @@ def resident_chunk(picks: jax.Array, q_pos: jax.Array, kv_end: jax.Array, hot: H
     pool_rows = jnp.where(present.reshape(batch, -1),
                           jnp.arange(batch, dtype=jnp.int32)[:, None] * (tokens * k) + column,
                           -1)
-    ids = jnp.where(picks >= 0, column.reshape(tokens, k), -1)
-    return keys.reshape(1, batch * tokens * k, 1, -1), pool_rows, ids, hot
+    picked = jnp.where(picks >= 0, column.reshape(tokens, k), -1)
+    one_row = pools.LaneMap(keys.shape[-1], 1, keys.dtype)
+    return one_row.pack(keys.reshape(1, batch * tokens * k, 1, -1)), pool_rows, picked, hot
 
 
-def as_pages(hot: HotSet) -> tuple[jax.Array, jax.Array]:
-    """The hot rows as a pool a sparse read takes: (entries [1, B, H, sw], one page per row,
-    page_rows i32[B, 1]): hot row h of row b is entry h of page b."""
-    batch = hot.rows.shape[0]
+def as_pages(hot: HotSet) -> tuple[pools.Lanes, jax.Array]:
+    """The hot rows as a pool a sparse read takes: (entries, blocks [1, B] of H rows: one
+    page per row, page_rows i32[B, 1]): hot row h of row b is entry h of page b."""
+    batch = hot.rows.lead[0]
     return hot.rows[None], jnp.arange(batch, dtype=jnp.int32)[:, None]
 
 
-__all__ = ["as_pages", "group_size", "resident", "resident_chunk"]
+__all__ = ["as_pages", "group_size", "hot_ids", "resident", "resident_chunk"]

@@ -56,7 +56,7 @@ def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) ->
     Args:
       index_q: f32[B, T, nI, c], RoPE already applied per head.
       index_weights: f32[B, T, nI], the raw head weights W_iw x_t (scaled here).
-      keys: [B, E, c] indexer keys.
+      keys: f32[B, E, c] indexer keys (decoded).
 
     Returns:
       f32[B, T, E].
@@ -66,13 +66,13 @@ def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) ->
         # One query per slot (decode): heads last, and the weighted head sum a second product
         # rather than a reduction over the 8-wide minor axis, which XLA:CPU does not
         # vectorise (4,096 keys of 4 rows: 0.19 instead of 0.34 ms).
-        dots = jnp.einsum("bec,bnc->ben", storage.decode(keys),
+        dots = jnp.einsum("bec,bnc->ben", keys.astype(jnp.float32),
                           index_q[:, 0].astype(jnp.float32), precision=_HIGHEST)
         weights = index_weights[:, 0].astype(jnp.float32) * (n_heads**-0.5 * dim**-0.5)
         return jnp.einsum("ben,bn->be", jax.nn.relu(dots), weights,
                           precision=_HIGHEST)[:, None]
     dots = jnp.einsum("btnc,bec->btne", index_q.astype(jnp.float32),
-                      storage.decode(keys), precision=_HIGHEST)
+                      keys.astype(jnp.float32), precision=_HIGHEST)
     scores = jax.nn.relu(dots) * dim**-0.5
     weights = index_weights.astype(jnp.float32) * n_heads**-0.5
     return jnp.einsum("btne,btn->bte", scores, weights, precision=_HIGHEST)
@@ -87,6 +87,29 @@ def score_capacity(model: AttentionConfig, geometry: CacheConfig, options: Optio
     return paging.padded_pages(max_pages, chunk_pages) * geometry.entries_per_page(m)
 
 
+def _scored_chunks(model: AttentionConfig, geometry: CacheConfig, options: Options,
+                   index_keys, layer, page_rows, index_q, index_weights, q_pos, kv_end,
+                   layout: CacheLayout | None, merge, init):
+    """Folds `merge(carry, scores f32[B, T, n], first entry id)` over the used pages' keys,
+    a read chunk at a time; scores are -inf where an entry is not a candidate."""
+    fixed = layout_of(model, geometry) if layout is None else layout
+    m = model.csa_ratio
+    epp = fixed.entries_per_page["csa_index"]
+    chunk_pages = options.read_chunk_pages(geometry, options.index_read_entries, m)
+    visible = visible_entries(q_pos, kv_end, m)
+    codec = fixed.rows["csa_index"]
+
+    def body(carry, page_ids, first):
+        keys, present = paging.gather_pages(index_keys, layer, page_ids)
+        idx = first + jnp.arange(keys.shape[1], dtype=jnp.int32)
+        # Keys of absent pages may hold anything (NaN included); `where` drops their scores.
+        scores = key_scores(index_q, index_weights, codec.decode(keys))
+        ok = (idx[None, None, :] < visible[..., None]) & present[:, None, :]
+        return merge(carry, jnp.where(ok, scores, -jnp.inf), first)
+
+    return paging.fold_page_chunks(page_rows, kv_end // m, epp, chunk_pages, body, init)
+
+
 def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
                  index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
                  index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
@@ -97,7 +120,8 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
     pages only); capacity is the page-table length rounded up to whole read chunks.
 
     Args:
-      index_keys: the Classical pool's indexer keys [n_csa, pages, P // m, sw(c)], as stored.
+      index_keys: the Classical pool's indexer keys (`pools.Lanes` of blocks
+        [n_csa, num_pages]), as stored.
       layer: index into the CSA stack (may be traced).
       page_rows: i32[B, max_pages_per_seq] page-table rows of the batch.
       index_q: f32[B, T, nI, c], prepared (`prepare_index_query`); index_weights:
@@ -107,27 +131,54 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
       layout: what the configs fix (`cache.layout`: the keys' row codec, entries per page);
         None: derived from them.
     """
-    fixed = layout_of(model, geometry) if layout is None else layout
-    m = model.csa_ratio
-    epp = fixed.entries_per_page["csa_index"]
-    chunk_pages = options.read_chunk_pages(geometry, options.index_read_entries, m)
     batch, tokens = q_pos.shape
-    visible = visible_entries(q_pos, kv_end, m)
     capacity = score_capacity(model, geometry, options, page_rows.shape[1])
-    codec = fixed.rows["csa_index"]
 
-    def body(buf, page_ids, first):
-        keys, present = paging.gather_pages(index_keys, layer, page_ids)
-        idx = first + jnp.arange(keys.shape[1], dtype=jnp.int32)
-        # Keys of absent pages may hold anything (NaN included); `where` drops their scores.
-        scores = key_scores(index_q, index_weights, codec.decode(keys))
-        ok = (idx[None, None, :] < visible[..., None]) & present[:, None, :]
-        scores = jnp.where(ok, scores, -jnp.inf)
+    def write(buf, scores, first):
         return jax.lax.dynamic_update_slice_in_dim(buf, scores, first, axis=2)
 
-    return paging.fold_page_chunks(
-        page_rows, kv_end // m, epp, chunk_pages, body,
-        jnp.full((batch, tokens, capacity), -jnp.inf, jnp.float32))
+    return _scored_chunks(model, geometry, options, index_keys, layer, page_rows, index_q,
+                          index_weights, q_pos, kv_end, layout, write,
+                          jnp.full((batch, tokens, capacity), -jnp.inf, jnp.float32))
+
+
+def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
+                 index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
+                 index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
+                 layout: CacheLayout | None = None) -> jax.Array:
+    """i32[B, T, k]: `index_topk`'s picks, equal to it element for element, without a score
+    row per query: each read chunk's scores are merged into the best k so far (one
+    `lax.top_k` over k + chunk), so a chunk of T queries holds [B, T, k + chunk] scores at
+    128k as at 4k. Equal because chunks come in entry order and `lax.top_k` keeps the
+    earlier of equal scores: the best so far (lower ids, ties already in id order) stay
+    ahead of a chunk's. Arguments as `index_scores`."""
+    batch, tokens = q_pos.shape
+    k = model.index_topk
+
+    def merge(best, scores, first):
+        ids = first + jnp.arange(scores.shape[-1], dtype=jnp.int32)
+        both = jnp.concatenate([best[0], scores], axis=-1)
+        both_ids = jnp.concatenate(
+            [best[1], jnp.broadcast_to(ids, scores.shape)], axis=-1)
+        top, at = jax.lax.top_k(both, k)
+        return top, jnp.take_along_axis(both_ids, at, axis=-1)
+
+    init = (jnp.full((batch, tokens, k), -jnp.inf, jnp.float32),
+            jnp.full((batch, tokens, k), -1, jnp.int32))
+    best = _scored_chunks(model, geometry, options, index_keys, layer, page_rows, index_q,
+                          index_weights, q_pos, kv_end, layout, merge, init)
+    picks = finish_topk(best)
+    # `topk_of_scores` picks every candidate of a prefix of at most k entries in id order
+    # (no selection): the same picks, placed at their ids.
+    sizes = paging.prefix_sizes(score_capacity(model, geometry, options, page_rows.shape[1]),
+                                geometry.entries_per_page(model.csa_ratio))
+    size = jnp.asarray(sizes, jnp.int32)[
+        paging.prefix_bucket(sizes, jnp.max(kv_end // model.csa_ratio))]
+    rows = jnp.arange(batch)[:, None, None], jnp.arange(tokens)[None, :, None]
+    held = jnp.zeros((batch, tokens, k), bool).at[(*rows, jnp.where(picks < 0, k, picks))].set(
+        True, mode="drop")
+    in_order = jnp.where(held, jnp.arange(k, dtype=jnp.int32), -1)
+    return jnp.where(size <= k, in_order, picks)
 
 
 def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: int
@@ -183,4 +234,4 @@ def index_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, 
 
 
 __all__ = ["finish_topk", "index_scores", "index_topk", "key_scores", "picks_from_scores",
-           "prepare_index_query", "score_capacity", "topk_of_scores"]
+           "prepare_index_query", "running_topk", "score_capacity", "topk_of_scores"]

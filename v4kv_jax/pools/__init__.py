@@ -8,38 +8,46 @@
 
 Every public name is also reachable as `pools.<name>`.
 
+Every stored array is a `Lanes` (`pools.lanes`): the planes of its *blocks* and the
+`LaneMap` that says where each row of a block lives (lane rows of 128 words, rows narrower
+than a lane row sharing one in slots), so that a TPU keeps every pool row-major with little
+padding. Below, a block's rows are given as [rows, sw], its logical view
+(`Lanes.records()`); the leading dims are the block dims.
+
 Classical pool (complete, immutable entries; paged; shared by all requests), one typed
 store per compressed layer kind:
   csa: CSAEntries
-    c4          [n_csa, num_pages, P // m,  sw(head_dim)]         C4 entries
-    index_keys  [n_csa, num_pages, P // m,  sw(index_head_dim)]   indexer keys
+    c4          blocks [n_csa, num_pages], each P // m rows of sw(head_dim)   C4 entries
+    index_keys  blocks [n_csa, num_pages], each P // m rows of sw(index_head_dim)
+                                                                             indexer keys
   hca: HCAEntries
-    c128        [n_hca, num_pages, P // m', sw(head_dim)]         C128 entries
+    c128        blocks [n_hca, num_pages], each P // m' rows of sw(head_dim)  C128 entries
   pages         page tables, free stack, refcounts (see `paging`; beside the pool)
 
 State pool (per request slot; changes every step):
   lengths       i32[max_slots]   tokens appended so far
   status        i32[max_slots]   `SlotStatus`
-  window        [n_layers, max_slots, W, sw(head_dim)]   ring: position p sits at row p % W
-  csa: CSATails main and index, the CSA compressors' `Tail` rings
-                [n_csa, max_slots, ring, in_width]
-  hca           a `Tail` as above (hca_tail="ring"), or an `OnlineTail` of
-                [n_hca, max_slots, head_dim] (hca_tail="online")
-  hot           with hot_rows = H > 0, the CSA layers' `HotSet`: rows
-                [n_csa, max_slots, H, sw(head_dim)], held and used i32[n_csa, max_slots, H]
-                (`v4kv_jax.ops.hot`); None otherwise
+  window        blocks [n_layers, max_slots], each W rows of sw(head_dim): a ring, position
+                p at row p % W
+  csa: CSATails main and index, the CSA compressors' `Tail` rings: blocks
+                [n_csa, max_slots], each `ring` rows of in_width
+  hca           a `Tail` as above (hca_tail="ring"), or an `OnlineTail` of blocks
+                [n_hca, max_slots] of one row of head_dim (hca_tail="online")
+  hot           with hot_rows = H > 0, the CSA layers' `HotSet`: rows, blocks
+                [n_csa, max_slots] of H rows of sw(head_dim); held and used, blocks of H
+                int32 words (`v4kv_jax.ops.hot`); None otherwise
 
 Kind-specific code takes a store (`csa_entries`, `hca_entries`, `csa_tails`, `hca_tail`);
 code that loops over the compressors passes a `CompressorSpec` from `cache.specs` to
 `entries` / `with_entries` / `tail` / `with_tail`.
 
-Row formats: sw(width) is the stored width of a row (`storage.stored_width`): the width
-itself in a float format (float32 / bfloat16 / float16 arrays), 146 uint32 words for an
-fp8_latent row of 512 values with 64 RoPE dims, 17 for an fp4_index key of 128 values. C4
-and C128 entries are in `CacheConfig.entry_dtype`, indexer keys in `index_dtype`, the window
-in `window_dtype` (one `storage.RowCodec` each: `storage.codec`), tails in `tail_dtype`.
-Rows are stored exactly as `RowCodec.encode` returns them; every reader decodes with
-`RowCodec.decode`.
+Row formats: sw(width) is the stored width of a row in 32-bit words
+(`storage.stored_width`): the width in float32, half of it (rounded up) in bfloat16 and
+float16 (two values to a uint32 word), 146 uint32 words for an fp8_latent row of 512 values
+with 64 RoPE dims, 17 for an fp4_index key of 128 values. C4 and C128 entries are in
+`CacheConfig.entry_dtype`, indexer keys in `index_dtype`, the window in `window_dtype` (one
+`storage.RowCodec` each: `storage.codec`), tails in `tail_dtype`. Rows are stored exactly
+as `RowCodec.encode` returns them; every reader decodes with `RowCodec.decode`.
 
 The online HCA tail (`OnlineTail`, hca_tail="online")
 ------------------------------------------------------
@@ -80,9 +88,11 @@ compiles once per geometry and never per length.
 
 from v4kv_jax.config import LayerKind
 from v4kv_jax.pools import report, slots, transfers, tree
+from v4kv_jax.pools.lanes import LaneMap, Lanes
 from v4kv_jax.pools.report import *  # noqa: F403
 from v4kv_jax.pools.slots import *  # noqa: F403
 from v4kv_jax.pools.transfers import *  # noqa: F403
 from v4kv_jax.pools.tree import *  # noqa: F403
 
-__all__ = ["LayerKind", *tree.__all__, *slots.__all__, *transfers.__all__, *report.__all__]
+__all__ = ["LaneMap", "Lanes", "LayerKind", *tree.__all__, *slots.__all__, *transfers.__all__,
+           *report.__all__]

@@ -30,7 +30,7 @@ import numpy as np
 
 from v4kv_jax import checks, rope
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
-from v4kv_jax.pools import storage
+from v4kv_jax.pools import lanes, storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,11 @@ class CacheLayout:
         rows of in_width, or width for an online tail.
       inv_freq: f32[rope_dim // 2] RoPE frequencies per layer kind (`rope.inv_frequencies`).
       entries_per_page: P // m of each compressor.
+      lanes: where each stored array's rows live (`lanes.LaneMap`): "csa", "csa_index",
+        "hca" (blocks: a page's entries of one layer), "window" (a slot's ring of one
+        layer), "tail:<compressor>" (a slot's tail ring, or its online tail: one row),
+        and with a hot set "hot" (a slot's hot rows of one layer) and "hot_ids" (the
+        int32 held / used words of those rows).
       host: the compressors whose entries live in host memory (`entries_on_host`).
       online: the compressors that keep an online tail (`keeps_online_tail`).
 
@@ -127,6 +132,7 @@ class CacheLayout:
     tail_rows: Mapping[str, storage.RowCodec] = _derived()
     inv_freq: Mapping[LayerKind, np.ndarray] = _derived()
     entries_per_page: Mapping[str, int] = _derived()
+    lanes: Mapping[str, lanes.LaneMap] = _derived()
     host: frozenset[str] = _derived()
     online: frozenset[str] = _derived()
 
@@ -134,17 +140,27 @@ class CacheLayout:
         model, geometry = self.model, self.geometry
         specs = compressor_specs(model)
         online = frozenset(s.name for s in specs if keeps_online_tail(geometry, s.name))
+        rows = {name: storage.codec(model, geometry, name) for name in storage.FORMAT_FIELDS}
+        tail_rows = {s.name: storage.tail_codec(
+            geometry, s.width if s.name in online else s.in_width) for s in specs}
+        per_page = {s.name: geometry.entries_per_page(s.ratio) for s in specs}
+        maps = {s.name: rows[s.name].lanes(per_page[s.name]) for s in specs}
+        maps["window"] = rows["window"].lanes(model.window)
+        for s in specs:
+            maps[f"tail:{s.name}"] = tail_rows[s.name].lanes(1 if s.name in online else s.ring)
+        hot = geometry.hot_set_rows(model)
+        if hot:
+            maps["hot"] = rows["csa"].lanes(hot)
+            maps["hot_ids"] = lanes.LaneMap(1, hot, np.int32)
         derived = dict(
             specs=specs,
             kind_specs=_frozen({k: tuple(s for s in specs if s.kind == k) for k in LayerKind}),
             layers=_frozen({k: model.layers_of(k) for k in LayerKind}),
-            rows=_frozen({name: storage.codec(model, geometry, name)
-                          for name in storage.FORMAT_FIELDS}),
-            tail_rows=_frozen({s.name: storage.tail_codec(
-                geometry, s.width if s.name in online else s.in_width) for s in specs}),
+            rows=_frozen(rows),
+            tail_rows=_frozen(tail_rows),
             inv_freq=_frozen({k: rope.inv_frequencies(model, k) for k in LayerKind}),
-            entries_per_page=_frozen({s.name: geometry.entries_per_page(s.ratio)
-                                      for s in specs}),
+            entries_per_page=_frozen(per_page),
+            lanes=_frozen(maps),
             host=frozenset(s.name for s in specs if entries_on_host(geometry, s.name)),
             online=online,
         )

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from v4kv_jax import checks
+from v4kv_jax.pools.lanes import Lanes
 
 
 @struct.dataclass
@@ -249,30 +250,32 @@ def entry_pages(page_table_rows: jax.Array, entry_idx: jax.Array,
     return page, entry_idx % entries_per_page
 
 
-def gather_pages(pool: jax.Array, layer, page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Rows of whole pages of one layer, as stored: ([B, n * P/m, d], present bool[B, n * P/m]).
+def gather_pages(pool: Lanes, layer, page_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows of whole pages of one layer, as stored: ([B, n * P/m, sw], present
+    bool[B, n * P/m]).
 
-    pool: [n_layers, num_pages, P // m, d]; page_ids: i32[B, n] (-1 = absent: its rows are
-    page 0's, marked not present, and must be masked by the caller with `where`).
+    pool: blocks [n_layers, num_pages] of P // m rows (`Lanes`); page_ids: i32[B, n] (-1 =
+    absent: its rows are page 0's, marked not present, and must be masked by the caller with
+    `where`).
     """
     batch, n = page_ids.shape
-    epp, dim = pool.shape[2], pool.shape[3]
-    rows = pool[layer, jnp.clip(page_ids, 0, None)].reshape(batch, n * epp, dim)
+    epp = pool.map.records
+    rows = pool[layer, jnp.clip(page_ids, 0, None)].records()
     present = jnp.repeat(page_ids >= 0, epp, axis=1)
-    return rows, present
+    return rows.reshape(batch, n * epp, -1), present
 
 
-def gather_entries(pool: jax.Array, layer, page_rows: jax.Array, entry_idx: jax.Array
+def gather_entries(pool: Lanes, layer, page_rows: jax.Array, entry_idx: jax.Array
                    ) -> tuple[jax.Array, jax.Array]:
-    """Stored rows of entries by index: ([B, ..., d], present bool[B, ...]).
+    """Stored rows of entries by index: ([B, ..., sw], present bool[B, ...]).
 
-    pool: [n_layers, num_pages, P // m, d]; page_rows: i32[B, max_pages_per_seq]; entry_idx:
-    i32[B, ...] (negative = none). Absent entries read page 0's rows and are marked not
-    present (mask them with `where`).
+    pool: blocks [n_layers, num_pages] of P // m rows (`Lanes`); page_rows:
+    i32[B, max_pages_per_seq]; entry_idx: i32[B, ...] (negative = none). Absent entries read
+    page 0's rows and are marked not present (mask them with `where`).
     """
-    page, row = entry_pages(page_rows, entry_idx, pool.shape[2])
+    page, row = entry_pages(page_rows, entry_idx, pool.map.records)
     present = (entry_idx >= 0) & (page >= 0)
-    return pool[layer, jnp.clip(page, 0, None), row], present
+    return pool.take((layer, jnp.clip(page, 0, None)), row), present
 
 
 def prefix_sizes(capacity: int, smallest: int) -> list[int]:

@@ -52,7 +52,7 @@ def reset_slot(cache: Cache, slot) -> Cache:
     state = state.replace(
         lengths=jnp.where(mask, 0, state.lengths),
         status=jnp.where(mask, SlotStatus.ACTIVE, state.status),
-        window=clear(state.window),
+        window=jax.tree.map(clear, state.window),
         csa=jax.tree.map(clear, state.csa),
         hca=jax.tree.map(clear, state.hca),
         hot=jax.tree.map(clear, state.hot),

@@ -1,10 +1,13 @@
 """How a row is stored: the one codec of the cache.
 
 Every write of a stored row (compressor emission into the Classical pool, window and tail
-writes into the State pool) goes through `encode`, every read through `decode`; the Pallas
-kernels widen what they load the same way. Plain float formats ("float32", "bfloat16",
-"float16"): `encode` rounds to the dtype, `decode` widens to fp32; a row of `width` values is
-[..., width] of `dtype(fmt)`, `row_bytes(width, fmt)` bytes.
+writes into the State pool) goes through `RowCodec.encode`, every read through
+`RowCodec.decode`; the Pallas kernels widen what they load the same way. Every stored row is
+a run of 32-bit words, so that a TPU stores every pool in whole 32-bit lanes (`lanes`: where
+a row lives). Plain float formats: "float32" rows are [..., width] float32; "bfloat16" and
+"float16" rows are [..., ceil(width / 2)] uint32 words, value 2 i in the low half of word i
+and value 2 i + 1 in its high half (the 16-bit pattern of the value rounded to nearest even;
+an odd width leaves a zero high half). `row_bytes(width, fmt)` bytes a row.
 
 Every stored array of the cache has one `RowCodec` (format, width, RoPE dims), given by
 `codec(model, geometry, name)` for the Classical pools and the window ring ("csa" C4 entries
@@ -93,6 +96,7 @@ from jax import lax
 
 from v4kv_jax import checks
 from v4kv_jax.config import STORAGE_FORMATS, AttentionConfig, CacheConfig
+from v4kv_jax.pools import lanes
 
 PACKED_FORMATS = ("fp8_latent", "fp4_index")
 FORMATS = STORAGE_FORMATS + PACKED_FORMATS
@@ -110,23 +114,32 @@ _E2M1_CUTS = (_E2M1[1:] + _E2M1[:-1]) / 2
 _E2M1_EVEN = np.arange(1, 8) % 2 == 0
 
 
+HALF_FORMATS = ("bfloat16", "float16")  # two values to a stored word
+
+
 def dtype(fmt: str) -> jnp.dtype:
-    """The array dtype rows of format `fmt` are stored in (uint32 words for packed formats)."""
-    if fmt in PACKED_FORMATS:
-        return jnp.dtype(jnp.uint32)
-    if fmt not in STORAGE_FORMATS:
+    """The array dtype rows of format `fmt` are stored in: float32 for "float32", uint32
+    words for every other format (16-bit values in pairs, packed formats)."""
+    if fmt not in FORMATS:
         raise ValueError(f"fmt: expected one of {FORMATS}; got {fmt!r}")
-    return jnp.dtype(fmt)
+    return jnp.dtype(jnp.float32 if fmt == "float32" else jnp.uint32)
 
 
-def encode(values: jax.Array, stored: jax.Array) -> jax.Array:
-    """`values` (any float dtype, [..., width]) in the format of the array `stored`."""
-    return values.astype(stored.dtype)
+def encode_halves(x: jax.Array, fmt: str) -> jax.Array:
+    """uint32 words [..., ceil(width / 2)] of f32 [..., width] rounded to `fmt` ("bfloat16"
+    or "float16"): value 2 i in the low half of word i, 2 i + 1 in the high half."""
+    bits = lax.bitcast_convert_type(jnp.asarray(x).astype(fmt), jnp.uint16)
+    return _pack(_pad_even(bits), 16)
 
 
-def decode(stored: jax.Array) -> jax.Array:
-    """f32 values of stored rows."""
-    return stored.astype(jnp.float32)
+def decode_halves(words: jax.Array, width: int, fmt: str) -> jax.Array:
+    """f32 [..., width] of `encode_halves` words (widened exactly)."""
+    halves = lax.bitcast_convert_type(words, jnp.dtype(fmt))
+    return halves.reshape(*words.shape[:-1], -1)[..., :width].astype(jnp.float32)
+
+
+def _pad_even(x: jax.Array) -> jax.Array:
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, x.shape[-1] % 2)]) if x.shape[-1] % 2 else x
 
 
 def _words(nbytes: int) -> int:
@@ -156,7 +169,7 @@ def stored_width(width: int, fmt: str, rope_dim: int = 0) -> int:
     if fmt == "fp4_index":
         return width // 8 + _words(_check_fp4(width))
     dtype(fmt)
-    return width
+    return -(-width // 2) if fmt in HALF_FORMATS else width
 
 
 def row_bytes(width: int, fmt: str, rope_dim: int = 0) -> int:
@@ -381,12 +394,18 @@ class RowCodec:
     def row_bytes(self) -> int:
         return row_bytes(self.width, self.fmt, self.rope_dim)
 
+    def lanes(self, records: int) -> lanes.LaneMap:
+        """Where blocks of `records` rows of this format live (`lanes.LaneMap`)."""
+        return lanes.LaneMap(self.stored_width, records, self.dtype)
+
     def encode(self, values: jax.Array) -> jax.Array:
         """Stored rows of `values` [..., width] (any float dtype)."""
         if self.fmt == "fp8_latent":
             return encode_fp8_latent(values, self.rope_dim)
         if self.fmt == "fp4_index":
             return encode_fp4_key(values)
+        if self.fmt in HALF_FORMATS:
+            return encode_halves(values, self.fmt)
         return jnp.asarray(values).astype(self.dtype)
 
     def decode(self, stored: jax.Array) -> jax.Array:
@@ -395,6 +414,8 @@ class RowCodec:
             return decode_fp8_latent(stored, self.width, self.rope_dim)
         if self.fmt == "fp4_index":
             return decode_fp4_key(stored, self.width)
+        if self.fmt in HALF_FORMATS:
+            return decode_halves(stored, self.width, self.fmt)
         return stored.astype(jnp.float32)
 
     def decode_unrotated(self, stored: jax.Array) -> jax.Array:
@@ -405,8 +426,8 @@ class RowCodec:
 
     def filled(self, value: float) -> jax.Array:
         """One stored row whose every value decodes to `value` (NaN: all words 0xFFFFFFFF in
-        a packed format, which decode to NaN in every dim); used to poison unowned rows."""
-        if self.packed and np.isnan(value):
+        a word format, which decode to NaN in every dim); used to poison unowned rows."""
+        if self.dtype == jnp.uint32 and np.isnan(value):
             return jnp.full((self.stored_width,), 0xFFFFFFFF, jnp.uint32)
         return self.encode(jnp.full((self.width,), value, jnp.float32))
 
@@ -441,6 +462,7 @@ def tail_codec(geometry: CacheConfig, width: int) -> RowCodec:
 
 
 __all__ = ["AMAX_FLOOR", "FORMATS", "FORMAT_FIELDS", "FP4_AMAX_FLOOR", "FP4_BLOCK", "FP4_MAX",
-           "FP8_BLOCK", "FP8_MAX", "PACKED_FORMATS", "RowCodec", "codec", "decode",
-           "decode_fp4_key", "decode_fp8_latent", "dtype", "encode", "encode_fp4_key",
-           "encode_fp8_latent", "hadamard", "row_bytes", "stored_width", "tail_codec"]
+           "FP8_BLOCK", "FP8_MAX", "HALF_FORMATS", "PACKED_FORMATS", "RowCodec", "codec",
+           "decode_fp4_key", "decode_fp8_latent", "decode_halves", "dtype", "encode_fp4_key",
+           "encode_fp8_latent", "encode_halves", "hadamard", "row_bytes", "stored_width",
+           "tail_codec"]

@@ -4,6 +4,8 @@ disk tiers grow here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from jax.experimental.compute_on import compute_on
 
 from v4kv_jax import checks
 from v4kv_jax.pools import paging
+from v4kv_jax.pools.lanes import Lanes
 from v4kv_jax.pools.slots import _slot_mask
 from v4kv_jax.pools.tree import (
     Cache,
@@ -158,44 +161,46 @@ def _on_host(*xs) -> list[jax.Array]:
     return [jax.device_put(x, jax.memory.Space.Host) for x in jnp.broadcast_arrays(*xs)]
 
 
-def take_rows(stored: jax.Array, layer, page, row, *, host: bool) -> jax.Array:
-    """Device rows stored[layer, page, row] (indices broadcast together; an absent page reads
-    its layer's first row: mask it). With `host`, `stored` lives in host memory: the rows
-    are gathered there and only they come to the device."""
+def take_rows(stored: Lanes, layer, page, row, *, host: bool) -> jax.Array:
+    """Device rows [..., sw]: row `row` of page `page` of layer `layer` of a Classical array
+    (indices broadcast together; an absent page reads its layer's first page: mask it). With
+    `host`, `stored` lives in host memory: the rows are gathered there and only they come to
+    the device."""
     page = jnp.clip(page, 0, None)
     if not host:
-        return stored[layer, page, row]
-    index = _on_host(*(jnp.asarray(x, jnp.int32) for x in (layer, page, row)))
-    rows = compute_on("device_host")(lambda x, i, p, r: x[i, p, r])(stored, *index)
+        return stored.take((layer, page), row)
+    layer, page, at = _located(stored, layer, page, row)
+    rows = compute_on("device_host")(lambda x, i, p, a: x.take((i, p), None, a))(
+        stored, layer, page, at)
     return jax.device_put(rows, jax.memory.Space.Device)
 
 
-def put_rows(stored: jax.Array, layer, page, row, values: jax.Array, *, host: bool
-             ) -> jax.Array:
-    """stored with values written at [layer, page, row] (indices broadcast together; rows of
-    an absent page (< 0) are dropped). With `host`, `stored` lives in host memory: the
-    values go there and are written there, in place (indexing the 4-D array itself: a
-    reshaped view would be a copy of the whole store)."""
-    page = jnp.where(page >= 0, page, stored.shape[1])
+def _located(stored: Lanes, layer, page, row):
+    """(layer, page, `Lanes.locate` of row), broadcast together and placed in host memory:
+    the index arithmetic runs on the device, the gather or scatter in host memory."""
+    layer, page, row = jnp.broadcast_arrays(*(jnp.asarray(x, jnp.int32)
+                                              for x in (layer, page, row)))
+    at = stored.locate(row)
+    return jax.device_put((layer, page, at), jax.memory.Space.Host)
+
+
+def put_rows(stored: Lanes, layer, page, row, values: jax.Array, *, host: bool) -> Lanes:
+    """`stored` with values [..., sw] written as row `row` of page `page` of layer `layer`
+    (indices broadcast together; rows of an absent page (< 0) are dropped). With `host`,
+    `stored` lives in host memory: the values go there and are written there, in place."""
+    page = jnp.where(page >= 0, page, stored.lead[1])
     if not host:
-        return stored.at[layer, page, row].set(values, mode="drop")
-    index = _on_host(*(jnp.asarray(x, jnp.int32) for x in (layer, page, row)))
-    values = jax.device_put(jnp.broadcast_to(values, (*index[0].shape, stored.shape[-1])),
+        return stored.put((layer, page), row, values)
+    layer, page, at = _located(stored, layer, page, row)
+    values = jax.device_put(jnp.broadcast_to(values, (*layer.shape, values.shape[-1])),
                             jax.memory.Space.Host)
     return compute_on("device_host")(
-        lambda x, v, i, p, r: x.at[i, p, r].set(v, mode="drop"))(stored, values, *index)
-
-
-def _page_rows(stored: jax.Array, ids: jax.Array):
-    """(layer, page, row) index arrays of every row of the pages `ids` i32[k]."""
-    n, _, rows = stored.shape[:3]
-    return (jnp.arange(n)[:, None, None], ids[None, :, None],
-            jnp.arange(rows)[None, None, :])
+        lambda x, v, i, p, a: x.put((i, p), None, v, a))(stored, values, layer, page, at)
 
 
 def read_pages(cache: Cache, page_ids) -> dict[str, jax.Array]:
     """The Classical rows of whole pages, as stored: compressor name -> [n_kind_layers, k,
-    P // m, width] for page_ids i32[k] (rows of a -1 id are zeros). With `load_pages`, this
+    P // m, sw] for page_ids i32[k] (rows of a -1 id are zeros). With `load_pages`, this
     moves full pages out of the pool and back (e.g. to disk and into another process).
 
     Called with concrete ids, an id outside [-1, num_pages) raises ValueError.
@@ -208,8 +213,13 @@ def read_pages(cache: Cache, page_ids) -> dict[str, jax.Array]:
     out = {}
     for spec in cache.specs:
         stored = entries(cache, spec)
-        rows = take_rows(stored, *_page_rows(stored, ids), host=on_host(cache.geometry, spec))
-        out[spec.name] = jnp.where(present, rows, jnp.zeros((), stored.dtype))
+        if on_host(cache.geometry, spec):
+            index = _on_host(jnp.clip(ids, 0, None))[0]
+            blocks = compute_on("device_host")(lambda x, i: x[:, i].records())(stored, index)
+            rows = jax.device_put(blocks, jax.memory.Space.Device)
+        else:
+            rows = stored[:, jnp.clip(ids, 0, None)].records()
+        out[spec.name] = jnp.where(present, rows, jnp.zeros((), rows.dtype))
     return out
 
 
@@ -218,7 +228,7 @@ def load_pages(cache: Cache, contents: dict, n_pages) -> tuple[Cache, jax.Array]
     them back with `drop_pages`) and writes the first n_pages pages of `contents` into them.
 
     Args:
-      contents: compressor name -> [n_kind_layers, k, P // m, width] of the cache's dtype, as
+      contents: compressor name -> [n_kind_layers, k, P // m, sw] of the cache's dtype, as
         `read_pages` returns them.
       n_pages: 0 <= n_pages <= min(k, free pages).
 
@@ -252,11 +262,17 @@ def load_pages(cache: Cache, contents: dict, n_pages) -> tuple[Cache, jax.Array]
         checks.integer("n_pages", n_pages, lo=0, hi=min(k, int(cache.pages.num_free)))
     pages, ids = paging.take(cache.pages, n_pages, k)
     cache = cache.replace(pages=pages)
+    dest = jnp.where(ids >= 0, ids, cache.geometry.num_pages)
     for spec in cache.specs:
         stored = entries(cache, spec)
-        cache = with_entries(cache, spec, put_rows(
-            stored, *_page_rows(stored, ids), jnp.asarray(contents[spec.name]),
-            host=on_host(cache.geometry, spec)))
+        blocks = stored.map.pack(jnp.asarray(contents[spec.name]))
+        if on_host(cache.geometry, spec):
+            blocks, index = jax.device_put((blocks, dest), jax.memory.Space.Host)
+            stored = compute_on("device_host")(
+                lambda x, b, i: x.put_blocks((slice(None), i), b))(stored, blocks, index)
+        else:
+            stored = stored.put_blocks((slice(None), dest), blocks)
+        cache = with_entries(cache, spec, stored)
     return cache, ids
 
 
@@ -266,13 +282,14 @@ class StateSnapshot:
     holds the same pages (`restore_state`).
 
     Attributes:
-      window: [n_layers, W, sw(hd)], the window ring as stored (position p at row p % W).
-      tails: compressor name -> `Tail` of [n_kind_layers, ring, in_width], or `OnlineTail`
-        of [n_hca, head_dim] (hca_tail="online").
+      window: the window ring as stored, `Lanes` of blocks [n_layers] (position p at row
+        p % W).
+      tails: compressor name -> `Tail` of blocks [n_kind_layers] (ring rows of in_width), or
+        `OnlineTail` of blocks [n_hca] (hca_tail="online").
       length: i32[], tokens appended.
     """
 
-    window: jax.Array
+    window: Lanes
     tails: dict
     length: jax.Array
 
@@ -296,7 +313,7 @@ def snapshot_state(cache: Cache, slot) -> StateSnapshot:
         return jnp.where(inside, x[:, read], jnp.zeros((), x.dtype))
 
     return StateSnapshot(
-        window=take(window_ring(cache)),
+        window=jax.tree.map(take, window_ring(cache)),
         tails={spec.name: jax.tree.map(take, tail(cache, spec)) for spec in cache.specs},
         length=jnp.where(inside, cache.state.lengths[read], 0),
     )
@@ -322,8 +339,22 @@ def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
     if set(snapshot.tails) != set(want.tails):
         checks.fail("snapshot.tails", f"the compressors {sorted(want.tails)}",
                     sorted(snapshot.tails))
+    stored = [("snapshot.window", snapshot.window, want.window)]
+    for k in want.tails:
+        for field in dataclasses.fields(want.tails[k]):
+            stored.append((f"snapshot.tails.{k}.{field.name}",
+                           getattr(snapshot.tails[k], field.name, None),
+                           getattr(want.tails[k], field.name)))
+    for name, got, w in stored:
+        if not isinstance(got, Lanes):
+            checks.fail(name, "a pools.Lanes (as snapshot_state gives it)", type(got).__name__,
+                        TypeError)
+        if got.map != w.map:
+            checks.fail(name, f"rows laid out as this cache lays them out ({w.map})",
+                        f"{got.map} (a snapshot of another geometry or model)")
     for path, w in jax.tree_util.tree_leaves_with_path(want):
         name = "snapshot" + "".join(
+            f"[{k.idx}]" if hasattr(k, "idx") else
             f".{getattr(k, 'name', getattr(k, 'key', k))}" for k in path)
         x = _at_path(snapshot, path)
         checks.shape(name, x, w.shape)
@@ -355,7 +386,7 @@ def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
     def put(stored, value):
         return stored.at[:, dest].set(value, mode="drop")
 
-    cache = with_window_ring(cache, put(window_ring(cache), snapshot.window))
+    cache = with_window_ring(cache, jax.tree.map(put, window_ring(cache), snapshot.window))
     for spec in cache.specs:
         cache = with_tail(cache, spec, jax.tree.map(put, tail(cache, spec),
                                                     snapshot.tails[spec.name]))
@@ -368,7 +399,10 @@ def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
 def _at_path(tree, path):
     """The leaf of `tree` at a `jax.tree_util` key path."""
     for k in path:
-        tree = tree[k.key] if hasattr(k, "key") else getattr(tree, k.name)
+        if hasattr(k, "idx"):
+            tree = tree[k.idx]
+        else:
+            tree = tree[k.key] if hasattr(k, "key") else getattr(tree, k.name)
     return tree
 
 

@@ -12,6 +12,7 @@ from flax import struct
 from v4kv_jax import programs
 from v4kv_jax.config import AttentionConfig, CacheConfig
 from v4kv_jax.pools import layout, paging, storage
+from v4kv_jax.pools.lanes import Lanes
 from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
 
 
@@ -32,19 +33,20 @@ class SlotStatus(enum.IntEnum):
 
 @struct.dataclass
 class CSAEntries:
-    """The CSA layers' Classical store: c4 their C4 entries [n_csa, num_pages, P // m, sw(hd)]
-    and index_keys their indexer keys [n_csa, num_pages, P // m, sw(c)], as stored."""
+    """The CSA layers' Classical store: c4 their C4 entries and index_keys their indexer
+    keys, `Lanes` of blocks [n_csa, num_pages] (a block: a page's P // m rows of one
+    layer), as stored."""
 
-    c4: jax.Array
-    index_keys: jax.Array
+    c4: Lanes
+    index_keys: Lanes
 
 
 @struct.dataclass
 class HCAEntries:
-    """The HCA layers' Classical store: c128 their C128 entries
-    [n_hca, num_pages, P // m', sw(hd)], as stored."""
+    """The HCA layers' Classical store: c128 their C128 entries, `Lanes` of blocks
+    [n_hca, num_pages] (P // m' rows each), as stored."""
 
-    c128: jax.Array
+    c128: Lanes
 
 
 @struct.dataclass
@@ -57,21 +59,23 @@ class ClassicalPool:
 
 @struct.dataclass
 class Tail:
-    """A compressor's raw tail ring: kv and gate [n_kind, max_slots, ring, in_width]
-    (position p at row p % ring; gate with the position bias added)."""
+    """A compressor's raw tail ring: kv and gate, `Lanes` of blocks [n_kind, max_slots]
+    (a block: the ring's rows of in_width, position p at row p % ring; gate with the
+    position bias added)."""
 
-    kv: jax.Array
-    gate: jax.Array
+    kv: Lanes
+    gate: Lanes
 
 
 @struct.dataclass
 class OnlineTail:
-    """The HCA compressor's open block as an online softmax (module docstring):
-    max, sum, weighted [n_hca, max_slots, head_dim], in `tail_dtype`."""
+    """The HCA compressor's open block as an online softmax (module docstring): max, sum,
+    weighted, `Lanes` of blocks [n_hca, max_slots] (one row of head_dim each), in
+    `tail_dtype`."""
 
-    max: jax.Array
-    sum: jax.Array
-    weighted: jax.Array
+    max: Lanes
+    sum: Lanes
+    weighted: Lanes
 
 
 @struct.dataclass
@@ -86,26 +90,27 @@ class CSATails:
 @struct.dataclass
 class HotSet:
     """HiSparse's device hot set (`CacheConfig.hot_rows` = H > 0; `v4kv_jax.ops.hot`): per CSA
-    layer and slot, H rows holding C4 entries the indexer picked, as stored: rows
-    [n_csa, max_slots, H, sw(hd)]; held i32[n_csa, max_slots, H] the entry id + 1 a row holds
-    (0: none); used i32[n_csa, max_slots, H] 1 + the last query position that picked it."""
+    layer and slot, H rows holding C4 entries the indexer picked, `Lanes` of blocks
+    [n_csa, max_slots] (H rows each): rows, as stored; held, the entry id + 1 a row holds
+    (0: none), and used, 1 + the last query position that picked it (int32 rows of one
+    word)."""
 
-    rows: jax.Array
-    held: jax.Array
-    used: jax.Array
+    rows: Lanes
+    held: Lanes
+    used: Lanes
 
 
 @struct.dataclass
 class StatePool:
     """What changes every step, per slot: lengths and status i32[max_slots], the window rings
-    [n_layers, max_slots, W, stored width], and each compressor's open block: the CSA main
-    and indexer compressors' raw `Tail` rings (`CSATails`), the HCA compressor's `Tail` ring
-    or, with hca_tail="online", its `OnlineTail`; with hot_rows > 0 the CSA layers'
-    `HotSet`."""
+    (`Lanes` of blocks [n_layers, max_slots], W rows each), and each compressor's open block:
+    the CSA main and indexer compressors' raw `Tail` rings (`CSATails`), the HCA compressor's
+    `Tail` ring or, with hca_tail="online", its `OnlineTail`; with hot_rows > 0 the CSA
+    layers' `HotSet`."""
 
     lengths: jax.Array
     status: jax.Array
-    window: jax.Array
+    window: Lanes
     csa: CSATails
     hca: Tail | OnlineTail
     hot: HotSet | None = None
@@ -203,38 +208,47 @@ def on_host(geometry: CacheConfig, spec: CompressorSpec) -> bool:
     return layout.entries_on_host(geometry, _spec(spec))
 
 
-def _placed(fixed: CacheLayout, spec: CompressorSpec, value: jax.Array) -> jax.Array:
+def _placed(fixed: CacheLayout, spec: CompressorSpec, value: Lanes) -> Lanes:
     """`value` in the memory space of compressor `spec`'s entries."""
-    return jax.device_put(value, jax.memory.Space.Host) if spec.name in fixed.host else value
+    on_host = _spec(spec) in fixed.host
+    return jax.device_put(value, jax.memory.Space.Host) if on_host else value
 
 
-def entries(cache: Cache, spec: CompressorSpec) -> jax.Array:
+def entries(cache: Cache, spec: CompressorSpec) -> Lanes:
     """The Classical array of compressor `spec` (one of `cache.specs`): C4 entries, indexer
-    keys or C128 entries, [n_kind_layers, num_pages, P // m, width], as stored."""
+    keys or C128 entries, `Lanes` of blocks [n_kind_layers, num_pages] (P // m rows each),
+    as stored."""
     store, field = _ENTRIES[_spec(spec)]
     return getattr(getattr(cache.classical, store), field)
 
 
-def with_entries(cache: Cache, spec: CompressorSpec, value: jax.Array) -> Cache:
+def with_entries(cache: Cache, spec: CompressorSpec, value: Lanes) -> Cache:
+    return with_entries_unplaced(cache, spec, _placed(cache.layout, spec, value))
+
+
+def with_entries_unplaced(cache: Cache, spec: CompressorSpec, value: Lanes) -> Cache:
+    """`with_entries` without putting `value` in the entries' memory space (a value already
+    placed there, or shape structs)."""
     store, field = _ENTRIES[_spec(spec)]
-    value = _placed(cache.layout, spec, value)
     kind = getattr(cache.classical, store).replace(**{field: value})
     return cache.replace(classical=cache.classical.replace(**{store: kind}))
 
 
-def window_ring(cache: Cache) -> jax.Array:
-    """The window rings [n_layers, max_slots, W, hd], as stored (position p at row p % W)."""
+def window_ring(cache: Cache) -> Lanes:
+    """The window rings, `Lanes` of blocks [n_layers, max_slots] (W rows each, position p at
+    row p % W), as stored."""
     return cache.state.window
 
 
-def with_window_ring(cache: Cache, value: jax.Array) -> Cache:
+def with_window_ring(cache: Cache, value: Lanes) -> Cache:
     return cache.replace(state=cache.state.replace(window=value))
 
 
 def tail(cache: Cache, spec: CompressorSpec) -> Tail | OnlineTail:
-    """The tails of compressor `spec`, as stored: a `Tail` ring, kv and gate
-    [n_kind_layers, max_slots, ring, in_width] (position p at row p % ring; gate with the
-    position bias added), or for the HCA compressor with hca_tail="online" an `OnlineTail`."""
+    """The tails of compressor `spec`, as stored: a `Tail` ring, kv and gate `Lanes` of
+    blocks [n_kind_layers, max_slots] (ring rows of in_width, position p at row p % ring;
+    gate with the position bias added), or for the HCA compressor with hca_tail="online" an
+    `OnlineTail`."""
     store, field = _TAILS[_spec(spec)]
     held = getattr(cache.state, store)
     return held if field is None else getattr(held, field)
@@ -319,14 +333,12 @@ def shard_axes(cache: Cache) -> Cache:
 
 
 def _empty_hot_set(fixed: CacheLayout) -> HotSet | None:
-    model, geometry = fixed.model, fixed.geometry
-    rows_per_slot = geometry.hot_set_rows(model)
-    if not rows_per_slot:
+    if "hot" not in fixed.lanes:
         return None
-    shape = (model.num_csa, geometry.max_slots, rows_per_slot)
-    rows = fixed.rows["csa"]
-    return HotSet(rows=jnp.zeros((*shape, rows.stored_width), rows.dtype),
-                  held=jnp.zeros(shape, jnp.int32), used=jnp.zeros(shape, jnp.int32))
+    lead = (fixed.model.num_csa, fixed.geometry.max_slots)
+    ids = fixed.lanes["hot_ids"]
+    return HotSet(rows=fixed.lanes["hot"].zeros(lead), held=ids.zeros(lead),
+                  used=ids.zeros(lead))
 
 
 def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
@@ -337,20 +349,13 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
     stored, tails = {}, {}
     for spec in fixed.specs:
         n = len(fixed.layers[spec.kind])
-        rows = fixed.rows[spec.name]
-        stored[spec.name] = _placed(fixed, spec, jnp.zeros(
-            (n, geometry.num_pages, fixed.entries_per_page[spec.name], rows.stored_width),
-            rows.dtype))
-        tail_dt = fixed.tail_rows[spec.name].dtype
+        stored[spec.name] = _placed(fixed, spec,
+                                    fixed.lanes[spec.name].zeros((n, geometry.num_pages)))
+        tail = fixed.lanes[f"tail:{spec.name}"]
         if spec.name in fixed.online:
-            tails[spec.name] = OnlineTail(*(jnp.zeros((n, S, spec.width), tail_dt)
-                                            for _ in range(3)))
+            tails[spec.name] = OnlineTail(*(tail.zeros((n, S)) for _ in range(3)))
         else:
-            tails[spec.name] = Tail(
-                kv=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
-                gate=jnp.zeros((n, S, spec.ring, spec.in_width), tail_dt),
-            )
-    window = fixed.rows["window"]
+            tails[spec.name] = Tail(kv=tail.zeros((n, S)), gate=tail.zeros((n, S)))
     # Committed throughout if the C4 entries are on the host, as every program returns it.
     return programs.committed_together(Cache(
         classical=ClassicalPool(
@@ -360,8 +365,7 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
         state=StatePool(
             lengths=jnp.zeros((S,), jnp.int32),
             status=jnp.full((S,), SlotStatus.FREE, jnp.int32),
-            window=jnp.zeros((model.num_layers, S, model.window, window.stored_width),
-                             window.dtype),
+            window=fixed.lanes["window"].zeros((model.num_layers, S)),
             csa=CSATails(main=tails["csa"], index=tails["csa_index"]),
             hca=tails["hca"],
             hot=_empty_hot_set(fixed),

@@ -21,7 +21,7 @@ from v4kv_jax import checks
 from v4kv_jax.pools import StateSnapshot
 from v4kv_jax.prefix.disk import SnapshotDirectory, pack, unpack
 
-_FORMAT = b"V4KV-SNAPSHOT-2\n"
+_FORMAT = b"V4KV-SNAPSHOT-3\n"  # 3: the State as lane-dense planes (`pools.Lanes`)
 TIERS = ("device", "host", "disk")
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from v4kv_jax import checks
 from v4kv_jax.prefix.disk import SnapshotDirectory, pack, unpack
 
-_FORMAT = b"V4KV-PAGE-1\n"
+_FORMAT = b"V4KV-PAGE-2\n"  # 2: 16-bit rows as uint32 word pairs
 SUFFIX = ".v4page"
 TIERS = ("host", "disk")
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from v4kv_jax import pools, programs
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind
-from v4kv_jax.pools import Cache, SlotStatus, init_cache
+from v4kv_jax.pools import Cache, SlotStatus, init_cache, storage
 from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.testing import oracle
 from v4kv_jax.vectors import CompressorInput, CompressorWeights, Queries, TokenVectors
@@ -175,33 +175,39 @@ def random_cache(model: AttentionConfig, geometry: CacheConfig, lengths, seed: i
     free = np.arange(geometry.num_pages - 1, used - 1, -1, dtype=np.int32)
     rng = np.random.default_rng(seed)
 
-    def draw(x, codec=None, unused_pages=False):
-        """Random rows shaped like the stored array x, encoded by `codec` (None: x's dtype)."""
-        width = x.shape[-1] if codec is None else codec.width
-        values = rng.standard_normal((*x.shape[:-1], width)).astype(np.float32)
-        stored = jnp.asarray(values, x.dtype) if codec is None else _encode(codec, values)
+    def values(x: pools.Lanes, width: int, scale=None) -> np.ndarray:
+        """Random normal f32 rows [*lead, E, width] for the blocks of x (times `scale`)."""
+        out = rng.standard_normal((*x.lead, x.map.records, width)).astype(np.float32)
+        return out if scale is None else out * scale
+
+    def stored(x: pools.Lanes, codec, rows: np.ndarray, unused_pages=False) -> pools.Lanes:
+        """x's blocks holding `rows` encoded by `codec`; with unused_pages, the pages past
+        the used ones hold rows that decode to `fill_unused`."""
+        encoded = _encode(codec, rows)
         if unused_pages:
-            fill = (jnp.asarray(fill_unused, x.dtype) if codec is None
-                    else _filled(codec, fill_unused))
-            stored = stored.at[:, used:].set(fill)
-        return stored
+            encoded = encoded.at[:, used:].set(_filled(codec, fill_unused))
+        return x.map.pack(encoded)
 
     for spec in cache.specs:
         codec = pools.codec(cache, spec.name)
-        cache = pools.with_entries(cache, spec, draw(pools.entries(cache, spec),
-                                                     codec, unused_pages=True))
+        pool = pools.entries(cache, spec)
+        cache = pools.with_entries(cache, spec, stored(pool, codec, values(pool, codec.width),
+                                                       unused_pages=True))
         tail = pools.tail(cache, spec)
+        rows = cache.layout.tail_rows[spec.name]
         if pools.online_tail(geometry, spec):
-            total = rng.uniform(1.0, spec.ratio, tail.sum.shape).astype(np.float32)
-            tail = pools.OnlineTail(max=draw(tail.max), sum=jnp.asarray(total, tail.sum.dtype),
-                                    weighted=jnp.asarray(np.asarray(draw(tail.weighted),
-                                                                    np.float32) * total,
-                                                         tail.weighted.dtype))
+            total = rng.uniform(1.0, spec.ratio, (*tail.sum.lead, 1, rows.width)
+                                ).astype(np.float32)
+            tail = pools.OnlineTail(
+                max=stored(tail.max, rows, values(tail.max, rows.width)),
+                sum=stored(tail.sum, rows, total),
+                weighted=stored(tail.weighted, rows, values(tail.weighted, rows.width, total)))
         else:
-            tail = jax.tree.map(draw, tail)
+            tail = pools.Tail(*(stored(x, rows, values(x, rows.width))
+                                for x in (tail.kv, tail.gate)))
         cache = pools.with_tail(cache, spec, tail)
-    cache = pools.with_window_ring(cache, draw(pools.window_ring(cache),
-                                               pools.codec(cache, "window")))
+    ring, window = pools.window_ring(cache), pools.codec(cache, "window")
+    cache = pools.with_window_ring(cache, stored(ring, window, values(ring, window.width)))
     status = np.zeros(geometry.max_slots, np.int32)
     status[: len(lengths)] = SlotStatus.ACTIVE
     all_lengths = np.zeros(geometry.max_slots, np.int32)
@@ -229,8 +235,9 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
 
     Returns:
       {"window", "<compressor>_tail", "<compressor>_entries"} -> bool masks broadcastable to
-      those arrays ([1, S, W, 1], [1, S, ring, 1] or [1, S, 1] for an online tail,
-      [1, pages, P // m, 1]); with a hot set also "hot" [n_csa, S, H] (its rows).
+      the rows of those arrays (`pools.Lanes.records()`: [1, S, W, 1], [1, S, ring, 1] or
+      [1, S, 1, 1] for an online tail, [1, pages, P // m, 1]); with a hot set also "hot"
+      [n_csa, S, H] (its rows).
     """
     geo = cache.geometry
     lengths = np.asarray(pools.lengths(cache), np.int64)
@@ -244,7 +251,7 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
     for spec in cache.specs:
         m, epp = spec.ratio, geo.entries_per_page(spec.ratio)
         online = pools.online_tail(geo, spec)
-        tail = np.zeros((1, S, 1) if online else (1, S, spec.ring, 1), bool)
+        tail = np.zeros((1, S, 1 if online else spec.ring, 1), bool)
         entries = np.zeros((1, geo.num_pages, epp, 1), bool)
         for s in np.flatnonzero(live):
             n = lengths[s]
@@ -264,7 +271,7 @@ def owned_masks(cache: Cache, held_pages=()) -> dict[str, np.ndarray]:
         masks[f"{spec.name}_entries"] = entries
     hot = pools.hot_set(cache)
     if hot is not None:  # a hot row is owned while a live slot's row holds an entry
-        masks["hot"] = (np.asarray(hot.held) > 0) & live[None, :, None]
+        masks["hot"] = (np.asarray(hot.held.records())[..., 0] > 0) & live[None, :, None]
     return masks
 
 
@@ -279,16 +286,24 @@ def poison_unowned(cache: Cache, value: float = float("nan"), held_pages=()) -> 
     """
     masks = owned_masks(cache, held_pages)
 
-    def fill(x, mask, codec=None):  # on the device (the accessors put it back in its tier)
-        row = jnp.asarray(value, x.dtype) if codec is None else _filled(codec, value)
-        return jnp.where(jnp.asarray(mask), jax.device_put(x, jax.memory.Space.Device), row)
+    def fill(x: pools.Lanes, mask, codec: storage.RowCodec) -> pools.Lanes:
+        """The stored array with the rows outside `mask` (and every padding lane and row,
+        which no one may read) set to rows that decode to `value`; on the device (the
+        accessors put it back in its tier)."""
+        row = _filled(codec, value)
+        rows = jnp.where(jnp.asarray(mask), jax.device_put(x, jax.memory.Space.Device).records(),
+                         row)
+        return x.map.pack(rows, pad=row[0])
 
     for spec in cache.specs:
         cache = pools.with_entries(cache, spec, fill(pools.entries(cache, spec),
                                                      masks[f"{spec.name}_entries"],
                                                      pools.codec(cache, spec.name)))
+        tail_rows = cache.layout.tail_rows[spec.name]
+        mask = masks[f"{spec.name}_tail"]
         cache = pools.with_tail(cache, spec, jax.tree.map(
-            lambda x, spec=spec: fill(x, masks[f"{spec.name}_tail"]), pools.tail(cache, spec)))
+            lambda x, mask=mask, tail_rows=tail_rows: fill(x, mask, tail_rows),
+            pools.tail(cache, spec), is_leaf=lambda x: isinstance(x, pools.Lanes)))
     hot = pools.hot_set(cache)
     if hot is not None:
         cache = pools.with_hot_set(cache, hot.replace(rows=fill(
