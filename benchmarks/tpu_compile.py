@@ -7,23 +7,31 @@ is allocated), and prints per generation, context and batch:
 
   compile s     XLA:TPU + Mosaic compile time on this machine
   ops / fusions the optimized program's top-level operations and fusions, per layer
-  temp MiB      the compiler's temporaries; cache MiB the donated cache's logical bytes,
-                arg MiB the arguments as laid out on the chip (rows padded to its tiles)
-  copied MiB    bytes of the copies of cache arrays in the program (relayouts of the cache;
-                a loop body's copies counted once)
+  temp MiB      the compiler's temporaries
+  cache MiB     the cache's rows' own bytes (logical) / the cache as the compiler lays it
+                out on the chip (`pools.laid_out`: lane-dense planes, tiles' padding)
+  copied MiB    bytes of the cache's planes the program copies or moves
+                (`targets.cache_copies`: relayouts and copies within HBM, and moves
+                between HBM and VMEM; a loop body's once)
   alias MiB     argument bytes aliased to outputs: the cache updated in place when it
                 equals the cache (no copy of a pool in the program)
-  est. read     XLA's estimated bytes accessed (its cost analysis) next to the bytes the step
-                must read (`decode.v4_step_bytes`); XLA charges a gather its whole operand
+  est. read     XLA's estimated bytes accessed (its cost analysis) of the step as compiled
+                (a loop's body counted once: the layers of a kind run in one loop), and of
+                the same step with its layer loops unrolled (`Options.unroll_layers`: every
+                layer counted), next to the bytes the step must read (`decode.v4_step_bytes`).
+                A Pallas kernel is charged its cost estimate (the bytes its DMAs move, every
+                page of a row read); XLA charges a gather at least a tile per index
   largest       per row, the ten operations touching the most bytes (result + operands,
                 from the optimized HLO; XLA:TPU's estimated cycles beside them)
 
 These are the compiler's estimates, never measurements (no TPU ran anything).
 
-    python benchmarks/tpu_compile.py                        # v5e, v6e; 32k, 128k; batch 4, 64
+    python benchmarks/tpu_compile.py          # decode and V4-Flash widths; v5e, v6e; 32k,
+                                              # 128k; batch 4, 64
     python benchmarks/tpu_compile.py --widths flash --generations v5e
     python benchmarks/tpu_compile.py --cache-layout default auto   # the pools' layouts
-    python benchmarks/tpu_compile.py --sweep                # every kernel over the product
+    python benchmarks/tpu_compile.py --programs  # every program that takes the cache
+    python benchmarks/tpu_compile.py --sweep  # every kernel over the product
 
 `--sweep` compiles every Pallas TPU kernel, one op at a time, over generations x widths x
 formats x page sizes x batches (`v4kv_jax.testing.compile_sweep`) and prints where
@@ -41,12 +49,13 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 from decode import add_model_arguments, bench_model, v4_step_bytes  # noqa: E402
 from jax.experimental.layout import Format, Layout  # noqa: E402
 from measure import hlo_counts, hlo_operations, write_result  # noqa: E402
 
 import v4kv_jax as v4  # noqa: E402
-from v4kv_jax import programs, targets  # noqa: E402
+from v4kv_jax import pools, programs, targets  # noqa: E402
 from v4kv_jax.testing import compile_sweep  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,12 +115,11 @@ def largest_operations(computations: dict, count: int = 10) -> list[dict]:
     return sorted(rows, key=lambda r: -r["bytes"])[:count]
 
 
-def _compile(args, device, cache_layout: str):
+def _compile(args, device, cache_layout: str, options=None):
     """The step compiled for `device`; cache_layout "auto": the cache's layouts (in and out)
-    left to the compiler, which picks the kernels' row-major one (no relayout in the step;
-    a caller would place the cache with `compiled.input_formats`)."""
+    left to the compiler (a caller would place the cache with `compiled.input_formats`)."""
     step = programs.PROGRAMS["step.append_and_attend"]
-    options = v4.Options()
+    options = options or v4.Options()
     if cache_layout == "default":
         return targets.compile_for(step, *args, target=device, options=options, mesh=None)
     here = jax.sharding.SingleDeviceSharding(device)
@@ -146,43 +154,103 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
         name for name in ("v4kv_compress_emit", "v4kv_compress_online", "v4kv_indexer_scores",
                           "v4kv_csa_sparse_decode_attention",
                           "v4kv_hca_dense_decode_attention") for _ in range(text.count(name)))
-    cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
-    big = {",".join(map(str, x.shape)) for x in jax.tree.leaves(args[0])
-           if x.size * x.dtype.itemsize >= MIB}
+    laid_out = pools.laid_out(model, geometry, generation)
     computations = hlo_operations(text)
-    pool_copies = sum(_type_bytes(op["result"]) for name, ops in computations.items()
-                      if "fused" not in name for op in ops if op["opcode"] == "copy" and
-                      re.search(r"\[([\d,]*)\]", op["result"]).group(1) in big)
+    copies = targets.cache_copies(compiled)
+    unrolled = _compile(args, device, cache_layout, v4.Options(unroll_layers=True))
+    step_cost = unrolled.cost_analysis()
+    step_cost = step_cost[0] if isinstance(step_cost, (list, tuple)) else (step_cost or {})
     return dict(
         base, compile_s=round(seconds, 1), layers=model.num_layers,
         entry_ops=counts["entry_ops"], fusions=counts["fusions"],
-        temp_mib=memory.temp_size_in_bytes / MIB, cache_mib=cache_bytes / MIB,
+        temp_mib=memory.temp_size_in_bytes / MIB,
+        cache_mib=logical_bytes(args[0]) / MIB,
+        cache_laid_out_mib=(laid_out.argument_bytes + laid_out.host_bytes) / MIB,
+        not_row_major=list(laid_out.not_row_major),
         argument_mib=memory.argument_size_in_bytes / MIB,
-        alias_mib=memory.alias_size_in_bytes / MIB, pool_copy_mib=pool_copies / MIB,
+        alias_mib=memory.alias_size_in_bytes / MIB,
+        pool_copy_mib=(copies.copied_bytes + copies.moved_bytes) / MIB,
+        relayouts=len(copies.relayouts),
         estimated_bytes_accessed=cost.get("bytes accessed"),
+        estimated_step_bytes_accessed=step_cost.get("bytes accessed"),
         estimated_flops=cost.get("flops"),
         estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels),
         largest=largest_operations(computations))
 
 
-HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'layout':7s} {'compile s':>9s} {'ops/layer':>9s} "
-          f"{'fus/layer':>9s} {'temp MiB':>9s} {'cache MiB':>9s} {'arg MiB':>9s} "
-          f"{'alias MiB':>9s} {'copied MiB':>10s} "
-          f"{'est. read MiB':>13s} {'must read MiB':>13s}  kernels")
+HEADER = (f"{'gen':4s} {'context':>8s} {'B':>3s} {'layout':7s} {'compile s':>9s} "
+          f"{'fus/layer':>9s} {'temp MiB':>9s} {'cache MiB':>10s} {'laid out':>10s} "
+          f"{'x':>6s} {'copied MiB':>10s} {'est. MiB':>9s} {'est. step':>10s} "
+          f"{'must read':>10s} {'x':>5s}  kernels")
 
 
 def format_row(r: dict) -> str:
     if "error" in r:
         return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} "
                 f"{r['cache_layout']:7s} {r['compile_s']:9.1f} does not compile: {r['error']}")
-    est = r["estimated_bytes_accessed"]
+    est, step = (r[k] or 0 for k in ("estimated_bytes_accessed",
+                                       "estimated_step_bytes_accessed"))
+    must = r["must_read_bytes"]
     return (f"{r['generation']:4s} {r['context']:8d} {r['batch']:3d} {r['cache_layout']:7s} "
-            f"{r['compile_s']:9.1f} {r['entry_ops'] / r['layers']:9.1f} "
-            f"{r['fusions'] / r['layers']:9.1f} "
-            f"{r['temp_mib']:9.1f} {r['cache_mib']:9.1f} {r['argument_mib']:9.1f} "
-            f"{r['alias_mib']:9.1f} {r['pool_copy_mib']:10.1f} "
-            f"{(est or 0) / MIB:13.1f} {r['must_read_bytes'] / MIB:13.1f}  "
+            f"{r['compile_s']:9.1f} {r['fusions'] / r['layers']:9.1f} "
+            f"{r['temp_mib']:9.1f} {r['cache_mib']:10.1f} {r['cache_laid_out_mib']:10.1f} "
+            f"{r['cache_laid_out_mib'] / r['cache_mib']:6.3f} {r['pool_copy_mib']:10.1f} "
+            f"{est / MIB:9.1f} {step / MIB:10.1f} {must / MIB:10.1f} {step / must:5.2f}  "
             f"{len(r['kernels'])} ({', '.join(k.removeprefix('v4kv_') for k in r['kernels'])})")
+
+
+def logical_bytes(cache) -> int:
+    """The rows' own bytes of a cache (or its shape structs): every stored array's records,
+    and the small int32 arrays as they are."""
+    total = 0
+    for x in jax.tree.leaves(cache, is_leaf=lambda y: isinstance(y, v4.pools.Lanes)):
+        if isinstance(x, v4.pools.Lanes):
+            lead = int(np.prod(x.lead, dtype=np.int64))
+            total += lead * x.map.records * x.map.record_bytes
+        else:
+            total += int(np.prod(x.shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+    return total
+
+
+PROGRAM_HEADER = (f"{'gen':4s} {'widths':6s} {'program':10s} {'compile s':>9s} "
+                  f"{'temp MiB':>9s} {'cache MiB':>10s} {'temp/cache':>10s} {'relayouts':>9s} "
+                  f"{'copied MiB':>10s} {'moved MiB':>9s}")
+
+
+def run_programs(args) -> dict:
+    """Every program that takes the cache (`compile_sweep.cache_program`), at the tests'
+    widths (float32) and V4-Flash's (one layer of each kind, release formats), 16 slots of
+    32k tokens: temporaries, and what it does to the cache's arrays (`targets.cache_copies`:
+    relayouts, copies within HBM, moves to VMEM)."""
+    rows = []
+    print(PROGRAM_HEADER, flush=True)
+    for gen in args.generations:
+        device = targets.tpu_devices(targets.GENERATIONS[gen])[0]
+        for widths, make, formats, tokens in (("tiny", v4.tiny, "float32", 64),
+                                              ("flash", compile_sweep.flash_layers,
+                                               "release", 16)):
+            pages = 32768 // 128
+            geometry = v4.CacheConfig.with_formats(formats, num_pages=16 * pages + 1,
+                                                   max_slots=16, max_pages_per_seq=pages)
+            for name in compile_sweep.CACHE_PROGRAMS:
+                start = time.perf_counter()
+                compiled, cache = compile_sweep.cache_program(name, make(), geometry, tokens,
+                                                              device)
+                seconds = time.perf_counter() - start
+                found = targets.cache_copies(compiled)
+                cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+                temp = compiled.memory_analysis().temp_size_in_bytes
+                rows.append(dict(generation=gen, widths=widths, program=name,
+                                 compile_s=round(seconds, 1), temp_mib=temp / MIB,
+                                 cache_mib=cache_bytes / MIB, relayouts=len(found.relayouts),
+                                 copied_mib=found.copied_bytes / MIB,
+                                 moved_mib=found.moved_bytes / MIB))
+                r = rows[-1]
+                print(f"{gen:4s} {widths:6s} {name:10s} {r['compile_s']:9.1f} "
+                      f"{r['temp_mib']:9.1f} {r['cache_mib']:10.1f} "
+                      f"{temp / cache_bytes:10.3f} {r['relayouts']:9d} "
+                      f"{r['copied_mib']:10.1f} {r['moved_mib']:9.1f}", flush=True)
+    return dict(programs=rows)
 
 
 def run_sweep(args) -> dict:
@@ -207,13 +275,16 @@ def main(argv=None):
     p.add_argument("--contexts", nargs="+", type=int, default=[32768, 131072])
     p.add_argument("--batches", nargs="+", type=int, default=[4, 64])
     p.add_argument("--formats", default="release", choices=sorted(v4.config.FORMAT_SETS))
-    p.add_argument("--widths", default="decode", choices=["decode", "flash"],
+    p.add_argument("--widths", nargs="+", default=["decode", "flash"],
+                   choices=["decode", "flash"],
                    help="decode: benchmarks/decode.py's reduced widths; flash: V4-Flash's")
     p.add_argument("--cache-layout", nargs="+", default=["default"],
                    choices=["default", "auto"],
                    help="default: the TPU's own layout for each pool array (narrow packed "
                         "rows: pages minor); auto: the compiler's choice for the step")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--programs", action="store_true",
+                   help="every program that takes the cache, tiny and V4-Flash widths")
     p.add_argument("--out", default=os.path.join(HERE, "results", "tpu_compile.json"))
     add_model_arguments(p)
     args = p.parse_args(argv)
@@ -221,22 +292,27 @@ def main(argv=None):
                                             else ["v5e", "v6e"])
     if args.sweep:
         return write_result(run_sweep(args), args.out)
-    model = v4.flash() if args.widths == "flash" else bench_model(args)
-    print(f"V4-Flash layer pattern ({model.num_layers} layers), {args.widths} widths "
-          f"(H={model.num_heads} hd={model.head_dim}), {args.formats} formats; "
-          "XLA:TPU's estimates, not measurements", flush=True)
-    print(HEADER, flush=True)
+    if args.programs:
+        return write_result(run_programs(args), args.out)
     rows = []
-    for gen in args.generations:
-        for context in args.contexts:
-            for batch in args.batches:
-                for layout in args.cache_layout:
-                    rows.append(compile_step(model, gen, args.formats, context, batch, layout))
-                    print(format_row(rows[-1]), flush=True)
+    for widths in args.widths:
+        model = v4.flash() if widths == "flash" else bench_model(args)
+        print(f"V4-Flash layer pattern ({model.num_layers} layers), {widths} widths "
+              f"(H={model.num_heads} hd={model.head_dim}), {args.formats} formats; "
+              "XLA:TPU's estimates, not measurements", flush=True)
+        print(HEADER, flush=True)
+        for gen in args.generations:
+            for context in args.contexts:
+                for batch in args.batches:
+                    for layout in args.cache_layout:
+                        rows.append(dict(compile_step(model, gen, args.formats, context,
+                                                      batch, layout), widths=widths))
+                        print(format_row(rows[-1]), flush=True)
     for r in rows:
         if r.get("largest"):
-            print(f"\nlargest operations by bytes touched, {r['generation']} "
-                  f"{r['context']} tokens, batch {r['batch']}, {r['cache_layout']} layout:")
+            print(f"\nlargest operations by bytes touched, {r['widths']} widths, "
+                  f"{r['generation']} {r['context']} tokens, batch {r['batch']}, "
+                  f"{r['cache_layout']} layout:")
             for op in r["largest"]:
                 print(f"  {op['bytes'] / MIB:9.1f} MiB  {op['opcode']:14s} {op['name']:32s} "
                       f"{op['result'][:48]:48s} cycles {op['estimated_cycles']}")

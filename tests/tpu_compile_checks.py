@@ -8,9 +8,13 @@ by tests/test_tpu_compile.py (libtpu and the TPU compiler's memory leave with it
   (float32, bfloat16, release), page sizes and batches: `supported()` says None exactly
   where Mosaic compiles (each generation sweeps its own slice of the product here; the
   whole product is `python benchmarks/tpu_compile.py --sweep`).
-- The step programs with "auto" (decode and a prefill chunk) pick the TPU kernels where
-  they run and compile; the notebook's Generator program for the single chips Colab offers;
-  the data-parallel step on a 4-chip topology holds no collective.
+- Every program that takes the cache (the decode step, a prefill chunk, replay, the Engine's
+  step, the Generator's program), "auto", at the tests' and V4-Flash's widths on v5e and
+  v6e: no cache array relayouted or copied in HBM (`targets.cache_copies`), temporaries
+  bounded by the working set, not by the cache; every cache array row-major and unpadded
+  as the chip lays it out (`pools.laid_out`).
+- The notebook's Generator program compiles for the single chips Colab offers; the
+  data-parallel step on a 4-chip topology holds no collective.
 """
 
 from __future__ import annotations
@@ -58,23 +62,19 @@ def test_supported_is_none_exactly_where_mosaic_compiles(generation):
     wrong = [(r.case, r.widths, r.formats, r.page_tokens, r.batch, r.supported, r.error)
              for r in rows if not r.agrees]
     assert not wrong, wrong
-    # Every kernel compiles in float32 and in the release formats.
+    # Every kernel compiles in every storage format (rows are 32-bit words in lane planes).
     for r in rows:
-        if r.formats != "bfloat16":
-            assert r.error is None, (r.case, r.widths, r.formats, r.error)
+        assert r.error is None, (r.case, r.widths, r.formats, r.error)
 
 
-def test_a_rejected_config_says_why_and_auto_falls_back():
-    model, geometry = sweep.WIDTHS["notebook"](), sweep.geometry_for("bfloat16", 128, 4)
-    choice = ops.choose("sparse_decode_attention", model, geometry, backend="tpu")
-    assert choice.implementation == "reference"
-    assert "entry_dtype='bfloat16'" in choice.why and "Mosaic" in choice.why
-    with pytest.raises(ValueError, match="cannot run sparse_decode_attention.*16-bit"):
-        ops.choose("sparse_decode_attention", model, geometry,
-                   v4.Options(implementation="pallas_tpu"), backend="tpu")
-    assert ops.choices("sparse_decode_attention", model,
-                       sweep.geometry_for("release", 128, 4))["tpu"].implementation == (
-        "pallas_tpu")
+def test_auto_picks_the_tpu_kernel_of_every_op_in_every_format():
+    model = sweep.WIDTHS["notebook"]()
+    for formats in sweep.FORMATS:
+        geometry = sweep.geometry_for(formats, 128, 4)
+        for op in ops.KERNEL_OPS:
+            choice = ops.choices(op, model, geometry)["tpu"]
+            assert (choice.implementation, choice.why) == ("pallas_tpu", "auto on tpu"), (
+                formats, op, choice)
 
 
 def _step_arguments(model, geometry, batch, tokens):
@@ -90,22 +90,106 @@ def _kernels(compiled) -> set[str]:
                               "v4kv_hca_dense_decode_attention") if name in text}
 
 
+MIB = 2**20
+
+
+# (config, formats, chunk tokens, allowance MiB) per width. The allowance is what a program
+# holds that does not grow with the cache: activations, and a chunk's reads (rows x query
+# tile x picks x head dim); any temporary beyond it must stay under 10 % of the cache.
+WIDTHS = {"tiny": (v4.tiny, "float32", 64, 32),
+          "flash": (sweep.flash_layers, "release", 4, 192)}
+# The programs that take the cache, each on at least one chip at each width (the suite's
+# share; `python benchmarks/tpu_compile.py --programs` compiles every program at both widths
+# for both chips). The Generator's program is the notebook's (both chips, below), V4-Flash's
+# whole decode step the kernels page's (a v5e, below).
+CACHE_PROGRAMS = {
+    "v5e": {"tiny": ("decode", "chunk", "replay"), "flash": ("chunk", "replay")},
+    "v6e": {"tiny": ("decode", "replay", "engine"), "flash": ("decode", "replay")},
+}
+
+
+def _cache_geometry(formats: str, context: int = 32768, slots: int = 16) -> v4.CacheConfig:
+    pages = context // 128
+    return v4.CacheConfig.with_formats(formats, num_pages=slots * pages + 1, max_slots=slots,
+                                       max_pages_per_seq=pages)
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
 @pytest.mark.time_limit(280)
-@pytest.mark.parametrize("generation", GENERATIONS)
-def test_auto_compiles_the_step_with_the_tpu_kernels(generation):
-    """Decode and a prefill chunk of the public step program, "auto", at the tests' widths:
-    the decode step holds all four TPU kernels, the chunk the emission (its reads are the
-    reference's), and the cache is updated in place (aliased, not copied)."""
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_programs_that_take_the_cache_keep_it_in_place(generation):
+    """The decode step, a prefill chunk, replay, the Engine's step and the Generator's
+    program, "auto" (the TPU kernels), 16 slots of 32k tokens: no cache array relayouted or
+    copied within HBM (XLA may still hold a plane small enough in VMEM: a move, not a
+    copy), and temporaries within 10 % of the cache plus the width's allowance."""
+    device = _device(generation)
+    for width, names in CACHE_PROGRAMS[generation].items():
+        make, formats, tokens, allowance = WIDTHS[width]
+        model, geometry = make(), _cache_geometry(formats)
+        for name in names:
+            compiled, cache = sweep.cache_program(name, model, geometry, tokens, device)
+            _assert_in_place(compiled, cache, allowance, (width, name))
+            if width == "tiny" and name in ("decode", "chunk"):  # the kernels "auto" picks
+                assert len(_kernels(compiled)) == (4 if name == "decode" else 1), name
+
+
+def _assert_in_place(compiled, cache, allowance_mib: float, what) -> None:
+    """No cache array relayouted or copied within HBM; temporaries within 10 % of the cache
+    plus `allowance_mib`; the cache updated in place (its bytes aliased to the outputs)."""
+    found = targets.cache_copies(compiled)
+    assert not found.relayouts and not found.copies, (what, found)
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes <= 0.1 * _bytes(cache) + allowance_mib * MIB, (
+        what, memory.temp_size_in_bytes / MIB, _bytes(cache) / MIB)
+    assert memory.alias_size_in_bytes >= _bytes(cache), what
+
+
+def test_temporaries_do_not_grow_with_the_context():
+    """A prefill chunk of 64 tokens at 8k and at 128k tokens a slot: the temporaries grow by
+    less than 10 % of what the cache grows by (a chunk's indexer keeps its best k per query,
+    not a score per entry of the context: that would be 31 MB more here). The decode step's
+    at 32k and 128k: benchmarks/tpu_compile.py."""
+    model, device = v4.tiny(), _device("v5e")
+    temps, sizes = [], []
+    for context in (8192, 131072):
+        compiled, cache = sweep.cache_program("chunk", model, _cache_geometry(
+            "float32", context, slots=4), 64, device)
+        temps.append(compiled.memory_analysis().temp_size_in_bytes)
+        sizes.append(_bytes(cache))
+    assert temps[1] - temps[0] <= 0.1 * (sizes[1] - sizes[0]), (temps, sizes)
+
+
+@pytest.mark.parametrize("width", list(sweep.WIDTHS))
+def test_every_cache_array_is_row_major_and_unpadded_on_a_tpu(width):
+    """The chip's default layout of every array of the cache is row-major and pads nothing
+    beyond the planes' own lanes (`pools.laid_out`), in every storage format: the chip holds
+    the stored bytes, and a few KiB of tiles around the int32 counters and page table."""
+    model = sweep.WIDTHS[width]()
+    # The release formats pack rows of the releases' widths only.
+    for formats in sweep.FORMATS if width in ("flash", "pro") else ("float32", "bfloat16"):
+        laid = v4.pools.laid_out(model, _cache_geometry(formats, 4096, slots=4), "v6e")
+        assert laid.error is None and laid.not_row_major == (), (formats, laid)
+        assert laid.stored_bytes <= laid.argument_bytes <= laid.stored_bytes + 16 * 1024, (
+            formats, laid)
+
+
+@pytest.mark.time_limit(280)
+def test_auto_compiles_the_step_with_the_tpu_kernels_on_a_v4():
+    """Decode and a prefill chunk of the public step program, "auto", at the tests' widths,
+    for a v4 chip: the decode step holds all four TPU kernels, the chunk the emission (its
+    reads are the reference's), and the cache is updated in place (aliased, not copied)."""
     model, geometry = v4.tiny(), sweep.geometry_for("float32", 128, 4, context=512)
     program = programs.PROGRAMS["step.append_and_attend"]
     for tokens, kernels in ((1, 4), (16, 1)):
         args = _step_arguments(model, geometry, 4, tokens)
-        compiled = targets.compile_for(program, *args, target=_device(generation),
+        compiled = targets.compile_for(program, *args, target=_device("v4"),
                                        options=v4.Options(), mesh=None)
         assert len(_kernels(compiled)) == kernels, (tokens, _kernels(compiled))
         memory = compiled.memory_analysis()
-        cache_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(args[0]))
-        assert memory.alias_size_in_bytes >= cache_bytes
+        assert memory.alias_size_in_bytes >= _bytes(args[0])
 
 
 def test_a_forced_kernel_compiles_for_its_platform_only():
@@ -150,6 +234,8 @@ def test_the_notebooks_generator_compiles_for_a_colab_tpu(notebook_generator_cal
     compiled = targets.compile_for(call.program, *call.args, target=_device(generation),
                                    **call.kwargs)
     assert {"v4kv_compress_emit", "v4kv_indexer_scores"} <= _kernels(compiled)
+    cache = next(a for a in call.args if isinstance(a, v4.pools.Cache))
+    _assert_in_place(compiled, cache, 64, ("notebook generator", generation))
 
 
 def test_the_data_parallel_step_compiles_for_four_chips_without_collectives():
@@ -204,5 +290,7 @@ def test_the_kernels_page_recipe_compiles_v4_flash_for_a_v5e_as_written():
     exec(code, scope)  # noqa: S102 - the page's own code
     memory = scope["compiled"].memory_analysis()
     assert memory.alias_size_in_bytes > 0.9 * memory.argument_size_in_bytes
+    # V4-Flash's whole decode step (43 layers, release formats): the cache kept in place.
+    _assert_in_place(scope["compiled"], scope["cache"], 64, "V4-Flash decode step")
     text = scope["compiled"].as_text()
     assert len(_kernels(scope["compiled"])) == 4 and "v4kv_compress_online" in text

@@ -152,6 +152,59 @@ def op_program(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig,
     return programs.program(f"sweep.{case}", read, register=False), args
 
 
+# The programs that take the cache (`cache_program`).
+CACHE_PROGRAMS = ("decode", "chunk", "replay", "engine", "generator")
+
+
+def flash_layers() -> cfg.AttentionConfig:
+    """V4-Flash's widths (64 heads of 512, its indexer), one layer of each kind."""
+    return cfg.flash(hidden_size=256, q_lora_rank=64, o_lora_rank=16,
+                     compress_ratios=(0, 4, 128))
+
+
+def cache_program(name: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig,
+                  tokens: int, device, rows: int = 4):
+    """(compiled for `device`, its cache argument) of one program that takes the cache, as
+    the library calls it ("auto"): "decode" (`step.append_and_attend`, one token a row),
+    "chunk" (the same, `tokens` a row), "replay" (`step.replay`), "engine" (an `Engine`'s
+    step, `prefill_chunk=tokens`) or "generator" (a `Generator`'s program, prompts and
+    chunks of `tokens`); the step programs over `rows` rows, the Engine's and Generator's
+    over `geometry.max_slots`. The Engine's and Generator's calls are recorded, not run
+    (`programs.capture(stop_at=...)`), with a small decoder of `model`'s attention."""
+    if name not in CACHE_PROGRAMS:
+        raise ValueError(f"name: expected one of {CACHE_PROGRAMS}; got {name!r}")
+    if name in ("decode", "chunk", "replay"):
+        cache, vectors, weights, slot_ids, n_new = step_arguments(
+            model, geometry, rows, 1 if name == "decode" else tokens)
+        if name == "replay":
+            program, args = programs.PROGRAMS["step.replay"], (
+                cache, vectors, weights, slot_ids, slot_ids, n_new)
+        else:
+            queries = step_queries(model, rows, 1 if name == "decode" else tokens)
+            program, args = programs.PROGRAMS["step.append_and_attend"], (
+                cache, vectors, queries, weights, slot_ids, n_new)
+        return targets.compile_for(program, *args, target=device, options=cfg.Options(),
+                                   mesh=None), cache
+    from flax import nnx
+
+    from v4kv_jax.nn import Decoder, ModelConfig
+    from v4kv_jax.serve import Engine, Generator
+
+    decoder = Decoder(ModelConfig(model, vocab_size=128, mlp_hidden=64), rngs=nnx.Rngs(0))
+    if name == "generator":
+        gen = Generator(decoder, geometry, max_prompt_len=tokens, max_new_tokens=4,
+                        prefill_chunk=tokens)
+        program, run = gen.program, lambda: gen.generate([[1, 2, 3]], 2)
+    else:
+        eng = Engine(decoder, geometry, prefill_chunk=tokens)
+        program, run = programs.PROGRAMS["engine.step"], lambda: eng.generate([[1, 2, 3]], 2)
+    with programs.capture(stop_at=program) as calls:
+        run()
+    call = next(c for c in calls if c.program is program)
+    cache = next(a for a in call.args if isinstance(a, pools.Cache))
+    return targets.compile_for(call.program, *call.args, target=device, **call.kwargs), cache
+
+
 def compile_op(case: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig, batch: int,
                tokens: int, device, options: cfg.Options | None = None):
     """(the compiled program or None, the compiler's error or None, seconds)."""
