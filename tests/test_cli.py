@@ -116,31 +116,38 @@ def test_memory_of_flash_preset(capsys):
     # Release formats by default: 21 CSA layers x (584 + 68) B / 4 + 20 HCA layers x 584 B / 128
     assert "formats release" in out
     assert "CSA 3423.00 B, HCA 91.25 B, total 3514.25 B" in out
-    assert "(page padding 0.00 %)" in out and "(5,057,544 B) per request" in out
+    # As stored, rows in 128-lane planes (docs/formats.md): a CSA entry of 146 words is 128 +
+    # 16 + 4 (its last 2 words share a lane row with 63 others of the page's 32 entries); its
+    # keys of 17 words 16 + 4: 21 x (148 + 20) x 4 B / 4. An HCA page's one entry fills two
+    # lane rows: 20 x 256 x 4 B / 128.
+    assert "as stored (lane-dense pools): CSA 3528.00 B, HCA 160.00 B, total 3688.00 B" in out
+    assert "(x1.049 of the entries' own bytes)" in out and "(5,057,544 B) per request" in out
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576",
                      "--formats", "bfloat16"]) == 0
     # 21 CSA layers x (512 + 128) x 2 B / 4 + 20 HCA layers x 512 x 2 B / 128
-    assert "CSA 6720.00 B, HCA 160.00 B, total 6880.00 B" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CSA 6720.00 B, HCA 160.00 B, total 6880.00 B; as stored" in out
+    assert "total 6880.00 B (x1.000)" in out  # rows of 256 and 64 words fill their lanes
 
 
 def test_memory_with_hisparse(capsys):
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576",
                      "--hot-rows", "1024"]) == 0
     out = capsys.readouterr().out
-    # The C4 entries (21 x 584 B / 4 = 3066 B/token) leave the device; 21 hot sets of 1024
-    # rows of 584 + 8 B join the State: 5,057,544 + 21 x 1024 x 592 = 17,787,912 B.
-    assert "device Classical 448.25 B/token, host 3066.00 B/token" in out
+    # The C4 entries (21 x 148 words x 4 B / 4 = 3108 B/token as stored) leave the device;
+    # 21 hot sets of 1024 rows of 584 + 8 B join the State: 5,057,544 + 21 x 1024 x 592 =
+    # 17,787,912 B.
     assert "(17,787,912 B) per request" in out
-    assert ("device 465.21 MiB (Classical 448.25 MiB + State with hot sets 16.96 MiB), "
-            "host 3,066.00 MiB") in out
-    # 64 GiB / 465.21 MiB: 140 requests per device, each with 3,066 MiB of C4 entries on the
-    # host: 140 x 3,066 MiB = 419.18 GiB of host memory per device.
-    assert "data parallel over 1 device 140 per device" in out
-    assert ("Host memory they need (HiSparse): 140 x 3,066.00 MiB of C4 entries = 419.18 GiB "
-            "per device, 419.18 GiB over the 1 device (data parallel)") in out
+    assert ("device Classical 580.00 MiB, host 3,108.00 MiB per request of 1,048,576 tokens; "
+            "device 596.96 MiB with the State and hot sets 16.96 MiB") in out
+    # 64 GiB / 596.96 MiB: 109 requests per device, each with 3,108 MiB of C4 entries on the
+    # host: 109 x 3,108 MiB = 330.83 GiB of host memory per device.
+    assert "data parallel over 1 device 109 per device" in out
+    assert ("Host memory they need (HiSparse): 109 x 3,108.00 MiB of C4 entries = 330.83 GiB "
+            "per device, 330.83 GiB over the 1 device (data parallel)") in out
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--hot-rows", "1024",
                      "--devices", "2"]) == 0
-    assert "= 419.18 GiB per device, 838.36 GiB over the 2 devices" in capsys.readouterr().out
+    assert "= 330.83 GiB per device, 661.66 GiB over the 2 devices" in capsys.readouterr().out
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576"]) == 0
     assert "Host memory" not in capsys.readouterr().out
 
@@ -149,9 +156,10 @@ def test_memory_over_devices(capsys):
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--devices", "8",
                      "--device-gib", "64"]) == 0
     out = capsys.readouterr().out
-    # 3,514.25 MiB of pages + 5,057,544 B of State = 3,519.07 MiB a request: 18 in 64 GiB.
-    assert ("data parallel over 8 devices 18 per device, 144 in total; tensor parallel over "
-            "8 devices 18 in total") in out
+    # 3,688 MiB of pages as stored + 5,057,544 B of State = 3,692.82 MiB a request: 17 in
+    # 64 GiB.
+    assert ("data parallel over 8 devices 17 per device, 136 in total; tensor parallel over "
+            "8 devices 17 in total") in out
     assert cli.main(["memory", "--preset", "flash", "--tokens", "1048576", "--devices", "2",
                      "--device-gib", "3"]) == 0
     assert "0 per device, 0 in total" in capsys.readouterr().out
@@ -162,20 +170,21 @@ def test_memory_at_one_token(capsys):
     out = capsys.readouterr().out
     # One page of 128 tokens is held, but 1 token completes no C4 entry (4 tokens) and no
     # C128 entry: all of the page is padding; the State does not depend on the context.
-    assert ("At 1 token: Classical 0.43 MiB in 1 page (all of it page padding: no compressed "
-            "entry is complete before 4 tokens), State 4.82 MiB (5,057,544 B) per request") in out
-    assert "Requests of 1 token in 64 GiB" in out and "over 1 device 12,477 per device" in out
+    # A page as stored: 128 x 3688 B = 0.45 MiB; with the State 5,529,608 B a request.
+    assert ("At 1 token: Classical 0.45 MiB as stored in 1 page (no compressed entry is "
+            "complete before 4 tokens), State 4.82 MiB (5,057,544 B) per request") in out
+    assert "Requests of 1 token in 64 GiB" in out and "over 1 device 12,427 per device" in out
     assert " 1 tokens" not in out and "1 pages" not in out and "device(s)" not in out
     assert cli.main(["memory", "--tokens", "4"]) == 0
-    # One C4 entry per CSA layer (21 x (584 + 68) B) in a page of 21 x 32 x 652 + 20 x 584 B.
-    assert "in 1 page (page padding 3185.31 %)" in capsys.readouterr().out
+    # One C4 entry per CSA layer (21 x (584 + 68) B = 13,692 B) in a page of 472,064 B.
+    assert "in 1 page (x34.477 of the entries' own bytes)" in capsys.readouterr().out
 
 
 def test_memory_says_when_no_request_fits(capsys):
     assert cli.main(["memory", "--tokens", "1", "--device-gib", "0.001"]) == 0
     out = capsys.readouterr().out
     assert "0 per device, 0 in total" in out
-    assert ("Not one request fits: each needs 5.25 MiB on the device, more than --device-gib "
+    assert ("Not one request fits: each needs 5.27 MiB on the device, more than --device-gib "
             "0.001") in out
 
 

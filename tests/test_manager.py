@@ -49,7 +49,8 @@ def test_exhaustion_raises_and_leaves_other_requests_bit_identical():
     for x, y in zip(jax.tree.leaves(before.classical), jax.tree.leaves(after.classical),
                     strict=True):
         np.testing.assert_array_equal(x, y)  # nobody's entries moved, bit for bit
-    np.testing.assert_array_equal(pools.window_ring(before), pools.window_ring(after))
+    np.testing.assert_array_equal(pools.window_ring(before).records(),
+                                  pools.window_ring(after).records())
     np.testing.assert_array_equal(before.pages.page_table, after.pages.page_table)
     assert mgr.lengths() == {"a": 200, "b": 100}
     # Releasing "a" frees its pages; the same call for "b" now succeeds.
@@ -114,11 +115,11 @@ def test_reused_slot_gives_the_same_result_as_a_fresh_pool():
     out_fresh = _feed(fresh, data, "short", 1, 0, 2, with_attention=True)
     np.testing.assert_array_equal(out_reused, out_fresh)
     for name in ("window",):
-        np.testing.assert_array_equal(getattr(used.cache.state, name)[:, 0],
-                                      getattr(fresh.cache.state, name)[:, 0])
+        np.testing.assert_array_equal(getattr(used.cache.state, name)[:, 0].records(),
+                                      getattr(fresh.cache.state, name)[:, 0].records())
     for s in used.cache.specs:
-        np.testing.assert_array_equal(pools.tail(used.cache, s).kv[:, 0],
-                                      pools.tail(fresh.cache, s).kv[:, 0])
+        np.testing.assert_array_equal(pools.tail(used.cache, s).kv[:, 0].records(),
+                                      pools.tail(fresh.cache, s).kv[:, 0].records())
     assert used.memory_report().pages_used == 1
 
 
@@ -157,7 +158,7 @@ def test_memory_report_counts_entries_and_pages():
     assert "Classical bytes/token" in text
     assert "Classical capacity:    344,064 B, 24 pages of 14,336 B" in text
     assert ("Classical in use:      2 pages = 28,672 B holding 22,272 B of entries (x1.287, "
-            "partly filled last pages); 22 free, 0 shared") in text
+            "lane padding and partly filled last pages); 22 free, 0 shared") in text
     assert f"State capacity:        {3 * rep.state_bytes_per_request:,} B, 3 slots (1 in use)" in (
         text)
     assert "allocated" not in text and "Host" not in text and rep.host_bytes_per_request == 0

@@ -7,7 +7,8 @@
                  a prompt sharing a prefix hits its pages (checked against a cold run).
   v4kv memory    the cache cost of a preset (flash, pro) at a given context, computed from
                  the geometry alone, in the preset's storage formats (the release formats
-                 for flash and pro) or those of --formats.
+                 for flash and pro) or those of --formats; with --target v5e (v4, v6e) also
+                 the bytes the TPU compiler lays the cache out in on that chip.
 
 `v4kv demo` keeps the programs it compiles in jax's persistent compilation cache, in
 ~/.cache/v4kv_jax/jax ($XDG_CACHE_HOME/v4kv_jax/jax; JAX_COMPILATION_CACHE_DIR moves it,
@@ -18,14 +19,14 @@ for about half a minute on a 2-core CPU, later runs load the programs in a few s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 
+import jax
 import numpy as np
 
-from v4kv_jax import checks, pools
+from v4kv_jax import checks, pools, targets
 from v4kv_jax import config as cfg
 from v4kv_jax.pools import storage
 from v4kv_jax.pools.layout import compressor_specs
@@ -65,8 +66,6 @@ def compile_cache(enabled: bool = True) -> str | None:
     Every program is kept however fast it compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
     overrides that). Returns None, and turns the cache off, when `enabled` is False or the
     environment says JAX_ENABLE_COMPILATION_CACHE=false."""
-    import jax
-
     if not enabled or os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in _FALSE:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
@@ -95,14 +94,10 @@ class CacheEvents:
             self.written += 1
 
     def __enter__(self) -> CacheEvents:
-        import jax
-
         jax.monitoring.register_event_listener(self._event)
         return self
 
     def __exit__(self, *exc) -> None:
-        import jax
-
         jax.monitoring.unregister_event_listener(self._event)
 
 
@@ -138,8 +133,6 @@ def _compiled(what: str, seconds: float, events: CacheEvents, cache_dir: str | N
 
 
 def demo(args) -> int:
-    import jax
-
     from v4kv_jax.serve.manager import CacheManager
     from v4kv_jax.testing import oracle, synthetic
 
@@ -363,10 +356,10 @@ def _count(n: int, noun: str) -> str:
 def memory(args) -> int:
     _check_namespace(args, ("tokens",))
     checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
-    formats = getattr(args, "formats", None)
-    if formats is None:
-        formats = cfg.PRESET_FORMATS[args.preset]
+    formats = getattr(args, "formats", None) or cfg.PRESET_FORMATS[args.preset]
     checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
+    target = getattr(args, "target", None)
+    checks.one_of("--target", target, (None, *sorted(targets.GENERATIONS)))
     model = cfg.PRESETS[args.preset]()
     hot_rows = checks.integer("--hot-rows", getattr(args, "hot_rows", 0), lo=0)
     devices = checks.integer("--devices", getattr(args, "devices", 1), lo=1)
@@ -375,22 +368,20 @@ def memory(args) -> int:
     problem = _memory_problem(args)
     if problem:
         raise ValueError(problem)
-    geometry = cfg.CacheConfig.with_formats(formats, num_pages=1, max_slots=1,
-                                            max_pages_per_seq=1, hot_rows=hot_rows,
+    pages = -(-args.tokens // cfg.CacheConfig(1, 1, 1).page_tokens)
+    geometry = cfg.CacheConfig.with_formats(formats, num_pages=pages, max_slots=1,
+                                            max_pages_per_seq=pages, hot_rows=hot_rows,
                                             c4_tier="host" if hot_rows else "device")
-    per_token = pools.classical_bytes_per_token(model, geometry)
+    logical = pools.classical_bytes_per_token(model, geometry)
+    stored = pools.stored_bytes_per_token(model, geometry)
     state = pools.state_bytes_per_request(model, geometry)
-    pages = -(-args.tokens // geometry.page_tokens)
     classical = pages * pools.page_bytes(model, geometry)
     needed = sum(len(model.layers_of(spec.kind)) * storage.codec(model, geometry, spec.name)
                  .row_bytes * (args.tokens // spec.ratio) for spec in compressor_specs(model)
                  if model.layers_of(spec.kind))
-    if needed:
-        padding = f"page padding {100 * (classical / needed - 1):.2f} %"
-    else:
-        first = min(spec.ratio for spec in compressor_specs(model) if model.layers_of(spec.kind))
-        padding = (f"all of it page padding: no compressed entry is complete before {first} "
-                   "tokens")
+    first = min(spec.ratio for spec in compressor_specs(model) if model.layers_of(spec.kind))
+    padding = (f"x{classical / needed:.3f} of the entries' own bytes" if needed else
+               f"no compressed entry is complete before {first} tokens")
     dense = args.tokens * pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)
     rows = {name: storage.codec(model, geometry, name) for name in ("csa", "csa_index", "window")}
     tails = (f"{geometry.tail_dtype} tails, HCA tail "
@@ -400,21 +391,24 @@ def memory(args) -> int:
          f"{geometry.entry_dtype} ({rows['csa'].row_bytes} B), indexer keys "
          f"{geometry.index_dtype} ({rows['csa_index'].row_bytes} B), window "
          f"{geometry.window_dtype} ({rows['window'].row_bytes} B), {tails}")
-    _say("Classical bytes/token: " + ", ".join(f"{k} {v:.2f} B" for k, v in per_token.items()))
-    _say(f"At {_count(args.tokens, 'token')}: Classical {_mib(classical)} in "
+    _say("Classical bytes/token: " + ", ".join(f"{k} {v:.2f} B" for k, v in logical.items())
+         + "; as stored (lane-dense pools): "
+         + ", ".join(f"{k} {v:.2f} B" for k, v in stored.items())
+         + f" (x{stored['total'] / logical['total']:.3f})")
+    _say(f"At {_count(args.tokens, 'token')}: Classical {_mib(classical)} as stored in "
          f"{_count(pages, 'page')} ({padding}), State {_mib(state)} ({state:,} B) per "
          f"request, dense per-token cache {_mib(dense)}")
+    if target is not None:
+        _say(pools.format_laid_out(pools.laid_out(model, geometry, target)))
+    device_request = classical
     if hot_rows:
-        device = pools.device_bytes_per_token(model, geometry)
-        host = per_token["total"] - device
-        device_request = pages * pools.page_bytes(model, geometry) * device / per_token["total"]
+        device_request = pages * pools.device_bytes_per_token(model, geometry) * (
+            geometry.page_tokens)
         _say(f"HiSparse (C4 entries on the host, {hot_rows} hot rows per CSA layer and "
-             f"request): device Classical {device:.2f} B/token, host {host:.2f} B/token; at "
-             f"{_count(args.tokens, 'token')} per request: device {_mib(device_request + state)} "
-             f"(Classical {_mib(device_request)} + State with hot sets {_mib(state)}), host "
-             f"{_mib(classical - device_request)}")
-    else:
-        device_request = classical
+             f"request): device Classical {_mib(device_request)}, host "
+             f"{_mib(classical - device_request)} per request of "
+             f"{_count(args.tokens, 'token')}; device {_mib(device_request + state)} with "
+             f"the State and hot sets {_mib(state)}")
     per_device = int(budget // (device_request + state))
     over = _count(devices, "device")
     _say(f"Requests of {_count(args.tokens, 'token')} in {budget / 2**30:g} GiB of cache per "
@@ -423,8 +417,7 @@ def memory(args) -> int:
          f"parallel over {over} {per_device:,} in total (the one MQA latent and its indexer "
          f"keys are replicated on every device, so each holds every request)")
     if hot_rows and per_device:
-        host_request = pools.host_bytes_per_request(model, dataclasses.replace(
-            geometry, max_pages_per_seq=pages))
+        host_request = pools.host_bytes_per_request(model, geometry)
         _say(f"Host memory they need (HiSparse): {per_device:,} x {_mib(host_request)} of C4 "
              f"entries = {_gib_text(per_device * host_request)} per device, "
              f"{_gib_text(devices * per_device * host_request)} over the {over} (data "
@@ -583,6 +576,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="devices of a data-parallel mesh (each holds its own requests)")
     p.add_argument("--device-gib", type=_gib, default=64.0, metavar="GIB",
                    help="memory per device left for the cache after weights and activations")
+    p.add_argument("--target", choices=sorted(targets.GENERATIONS), default=None,
+                   help="also the bytes of one request's cache as the TPU compiler lays them "
+                        "out on one chip of this generation, libtpu needed, no TPU (default: "
+                        "none, the bytes as stored only)")
     p.set_defaults(run=memory, problem=_memory_problem, parser=p)
     return parser
 
