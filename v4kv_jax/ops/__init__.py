@@ -297,9 +297,11 @@ class WindowKeys:
     layer: jax.Array | None = None
     slots: jax.Array | None = None
 
-    def rows(self) -> pools.Lanes:
-        """The rows' rings, blocks [B]."""
-        return self.ring if self.layer is None else self.ring[self.layer, self.slots]
+    def records(self) -> jax.Array:
+        """The rows' rings as rows [B, ring, sw]."""
+        if self.layer is None:
+            return self.ring.records()
+        return self.ring.block_records((self.layer, self.slots))
 
 
 @struct.dataclass
@@ -515,7 +517,7 @@ def _read_tiles(kind, model, geometry, options, fixed, queries, q_pos, kv_end, w
     """A chunk of queries, `options.query_tile` at a time (bounds memory, not results): each
     tile reads the W keys before its first query and its own."""
     W = model.window
-    keys = attention.ordered_window(window.rows().records(), window.end)
+    keys = attention.ordered_window(window.records(), window.end)
     if window.chunk is not None:
         keys = jnp.concatenate([keys, window.chunk], axis=1)
     base = window.end - W

@@ -224,7 +224,7 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
 
 def _decode(model, geometry, options, kind, q, sink, window, window_layer, slot_ids, q_pos,
             kv_end, entries, entry_layer, page_rows, picks=None):
-    ring = window[window_layer, slot_ids].records()
+    ring = window.block_records((window_layer, slot_ids))
     out = attend(model, geometry, options, kind, layer=entry_layer, entries=entries,
                  page_rows=page_rows, q=q[:, None], sink=sink, q_pos=q_pos[:, None],
                  kv_end=kv_end, window_keys=ordered_window(ring, kv_end),

@@ -158,8 +158,8 @@ def emit_entries(spec: CompressorSpec, layout: CacheLayout, *, pool: pools.Lanes
     tail_rows = layout.tail_rows[spec.name]
 
     def emit():
-        old_kv = tail_rows.decode(tail_kv[layers[:, None], slot_ids[None, :]].records())
-        old_gate = tail_rows.decode(tail_gate[layers[:, None], slot_ids[None, :]].records())
+        old_kv = tail_rows.decode(tail_kv.block_records((layers[:, None], slot_ids[None, :])))
+        old_gate = tail_rows.decode(tail_gate.block_records((layers[:, None], slot_ids[None, :])))
 
         def one_layer(tkv, tgate, ckv, cgate, weight):
             return pool_blocks(spec, config, tkv, tgate, ckv, cgate, start, block, weight,
@@ -289,7 +289,7 @@ def emit_entries_online(spec: CompressorSpec, layout: CacheLayout, *,
     S = tail.max.lead[1]
     read = jnp.clip(slot_ids, 0, S - 1)
     codec = layout.tail_rows[spec.name]
-    state = tuple(codec.decode(x[layers[:, None], read[None, :]].records()[..., 0, :])
+    state = tuple(codec.decode(x.block_records((layers[:, None], read[None, :]))[..., 0, :])
                   for x in (tail.max, tail.sum, tail.weighted))
     config, inv_freq = layout.model, layout.inv_freq[spec.kind]
 

@@ -227,8 +227,18 @@ def _blocks(plane: jax.Array, index):
             first, "ndim", None) == 0:
         first = jnp.asarray(first, jnp.int32)
         first = jnp.where(first < 0, first + plane.shape[0], first)
-        return _blocks(jax.lax.dynamic_index_in_dim(plane, first, 0, keepdims=False),
-                       index[1:])
+
+        def on_tpu(plane, first, rest):
+            return _blocks(jax.lax.dynamic_index_in_dim(plane, first, 0, keepdims=False),
+                           rest)
+
+        def elsewhere(plane, first, rest):  # a CPU copies a dynamic slice: one gather
+            return plane[(first, *rest)]
+
+        if not all(isinstance(i, (int, np.integer, jax.Array, np.ndarray)) for i in index[1:]):
+            return on_tpu(plane, first, index[1:])
+        return jax.lax.platform_dependent(plane, first, index[1:], tpu=on_tpu,
+                                          default=elsewhere)
     gathered = any(getattr(i, "ndim", 0) > 0 for i in index)
     if (plane.shape[-2] == 1 and gathered and len(index) == plane.ndim - 2
             and not any(isinstance(i, slice) or i is None or i is Ellipsis for i in index)):
@@ -305,6 +315,30 @@ class Lanes:
     def records(self) -> jax.Array:
         """Rows [*lead, E, w] of every block."""
         return self.map.unpack(self.planes)
+
+    def block_records(self, index: tuple) -> jax.Array:
+        """Rows [..., E, w] of the blocks at `index` (a tuple of ints or int arrays over the
+        leading dims, broadcast together; clipped like `take`).
+
+        Blocks of several records gather their planes whole (contiguous lane rows) and
+        unpack them; a block of one record (a C128 entry) off a TPU reads its own slot of
+        each part only, not the lane rows it shares with padding."""
+        index = tuple(jnp.asarray(i, jnp.int32) for i in index)
+        if len(index) != len(self.lead):
+            raise ValueError(f"index: expected {len(self.lead)} indices (one per leading "
+                             f"dim); got {len(index)}")
+
+        def whole(planes, index):
+            return Lanes(planes, self.map)[index].records()
+
+        def one_record(planes, index):
+            pieces = [_view(x, p)[(*index, 0)][..., None, :p.words]
+                      for p, x in zip(self.map.parts, planes, strict=True)]
+            return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
+
+        if self.map.records > 1:
+            return whole(self.planes, index)
+        return jax.lax.platform_dependent(self.planes, index, tpu=whole, default=one_record)
 
     def locate(self, record) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """Per part, (lane row, first lane) of record(s) `record` (an int array); a record

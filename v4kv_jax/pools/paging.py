@@ -260,7 +260,7 @@ def gather_pages(pool: Lanes, layer, page_ids: jax.Array) -> tuple[jax.Array, ja
     """
     batch, n = page_ids.shape
     epp = pool.map.records
-    rows = pool[layer, jnp.clip(page_ids, 0, None)].records()
+    rows = pool.block_records((layer, jnp.clip(page_ids, 0, None)))
     present = jnp.repeat(page_ids >= 0, epp, axis=1)
     return rows.reshape(batch, n * epp, -1), present
 
