@@ -98,13 +98,13 @@ MIB = 2**20
 # tile x picks x head dim); any temporary beyond it must stay under 10 % of the cache.
 WIDTHS = {"tiny": (v4.tiny, "float32", 64, 32),
           "flash": (sweep.flash_layers, "release", 4, 192)}
-# The programs that take the cache, each on at least one chip at each width (the suite's
-# share; `python benchmarks/tpu_compile.py --programs` compiles every program at both widths
-# for both chips). The Generator's program is the notebook's (both chips, below), V4-Flash's
-# whole decode step the kernels page's (a v5e, below).
+# The programs that take the cache, each once at each width, the chips taking turns (the
+# suite's share; `python benchmarks/tpu_compile.py --programs` compiles every program at both
+# widths for both chips). The Generator's program is the notebook's (both chips, below),
+# V4-Flash's whole decode step the kernels page's (a v5e, below).
 CACHE_PROGRAMS = {
-    "v5e": {"tiny": ("decode", "chunk", "replay"), "flash": ("chunk", "replay")},
-    "v6e": {"tiny": ("decode", "replay", "engine"), "flash": ("decode", "replay")},
+    "v5e": {"tiny": ("decode", "chunk"), "flash": ("chunk", "replay")},
+    "v6e": {"tiny": ("replay", "engine"), "flash": ("decode",)},
 }
 
 
@@ -265,6 +265,12 @@ def test_the_slices_cover_every_width_page_size_and_batch():
     for field, every in (("widths", set(sweep.WIDTHS)), ("page_tokens", {128, 256}),
                          ("batches", {1, 64})):
         assert every <= set(itertools.chain(*(s[field] for s in SLICES.values()))), field
+    # Every program that takes the cache, at both widths (the Generator's: the notebook's
+    # widths, both chips; V4-Flash's Engine and Generator: benchmarks/tpu_compile.py).
+    for width, every in (("tiny", {"decode", "chunk", "replay", "engine"}),
+                         ("flash", {"decode", "chunk", "replay"})):
+        held = set(itertools.chain(*(c.get(width, ()) for c in CACHE_PROGRAMS.values())))
+        assert held == every, width
 
 
 def test_bad_targets_are_named():
