@@ -18,7 +18,8 @@ is allocated), and prints per generation, context and batch:
   est. read     XLA's estimated bytes accessed (its cost analysis) of the step as compiled
                 (a loop's body counted once: the layers of a kind run in one loop), and of
                 the same step with its layer loops unrolled (`Options.unroll_layers`: every
-                layer counted), next to the bytes the step must read (`decode.v4_step_bytes`).
+                layer counted; nan where that program does not fit the chip), next to the
+                bytes the step must read (`decode.v4_step_bytes`).
                 A Pallas kernel is charged its cost estimate (the bytes its DMAs move, every
                 page of a row read); XLA charges a gather at least a tile per index
   largest       per row, the ten operations touching the most bytes (result + operands,
@@ -157,9 +158,13 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
     laid_out = pools.laid_out(model, geometry, generation)
     computations = hlo_operations(text)
     copies = targets.cache_copies(compiled)
-    unrolled = _compile(args, device, cache_layout, v4.Options(unroll_layers=True))
-    step_cost = unrolled.cost_analysis()
-    step_cost = step_cost[0] if isinstance(step_cost, (list, tuple)) else (step_cost or {})
+    try:  # every layer unrolled holds more at once than the loops do: it may not fit
+        unrolled = _compile(args, device, cache_layout, v4.Options(unroll_layers=True))
+        step_cost = unrolled.cost_analysis()
+        step_cost = step_cost[0] if isinstance(step_cost, (list, tuple)) else (step_cost or {})
+        unrolled_error = None
+    except Exception as e:
+        step_cost, unrolled_error = {}, str(e).split("\n")[0][:300]
     return dict(
         base, compile_s=round(seconds, 1), layers=model.num_layers,
         entry_ops=counts["entry_ops"], fusions=counts["fusions"],
@@ -173,6 +178,7 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
         relayouts=len(copies.relayouts),
         estimated_bytes_accessed=cost.get("bytes accessed"),
         estimated_step_bytes_accessed=step_cost.get("bytes accessed"),
+        unrolled_error=unrolled_error,
         estimated_flops=cost.get("flops"),
         estimated_seconds=cost.get("optimal_seconds"), kernels=sorted(kernels),
         largest=largest_operations(computations))
@@ -195,7 +201,8 @@ def format_row(r: dict) -> str:
             f"{r['compile_s']:9.1f} {r['fusions'] / r['layers']:9.1f} "
             f"{r['temp_mib']:9.1f} {r['cache_mib']:10.1f} {r['cache_laid_out_mib']:10.1f} "
             f"{r['cache_laid_out_mib'] / r['cache_mib']:6.3f} {r['pool_copy_mib']:10.1f} "
-            f"{est / MIB:9.1f} {step / MIB:10.1f} {must / MIB:10.1f} {step / must:5.2f}  "
+            f"{est / MIB:9.1f} {step / MIB if step else float('nan'):10.1f} {must / MIB:10.1f} "
+            f"{step / must if step else float('nan'):5.2f}  "
             f"{len(r['kernels'])} ({', '.join(k.removeprefix('v4kv_') for k in r['kernels'])})")
 
 

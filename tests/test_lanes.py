@@ -2,8 +2,9 @@
 
 Hand-computed cuts for the arrays of the V4-Flash and test widths, the TPU layout rule every
 plane follows (minor dim a multiple of 128, second-minor 1, 2, 4 or a multiple of 8),
-property tests of `Lanes.take` / `put` / `pack` against a plain [..., E, w] array, and the
-table of bytes as stored in docs/formats.md recomputed from the maps."""
+property tests of `Lanes.take` / `put` / `pack` / `block_records` against a plain
+[..., E, w] array, and the table of bytes as stored in docs/formats.md recomputed from the
+maps."""
 
 from __future__ import annotations
 
@@ -103,6 +104,12 @@ def test_take_put_and_pack_are_a_plain_array_of_rows(words, records, seed):
             return stored.put(index, None, values, stored.locate(record))
         return stored.put(index, record, values)
 
+    # Whole blocks by index (a layer scalar, blocks by an array), as a plain array reads.
+    b1 = rng.integers(0, 3, (2, 4))
+    np.testing.assert_array_equal(
+        np.asarray(stored.block_records((np.int32(1), jnp.asarray(b1)))), rows[1][b1])
+    np.testing.assert_array_equal(np.asarray(stored[jnp.int32(1), jnp.asarray(b1)].records()),
+                                  rows[1][b1])
     for located in (False, True):
         # take: any (block, record) pairs.
         b0, b1 = rng.integers(0, 2, 5), rng.integers(0, 3, 5)
