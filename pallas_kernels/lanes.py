@@ -58,6 +58,19 @@ def _as_words(x: jax.Array) -> jax.Array:
     return x if x.dtype == jnp.int32 else lax.bitcast_convert_type(x, jnp.int32)
 
 
+def _byte_product(words: jax.Array, select: jax.Array, words_first: bool) -> jax.Array:
+    """int32 words moved by the 0/1 matrix `select` (words @ select, or select @ words):
+    one matmul per byte of the words, each exact, the bytes joined again."""
+    out = None
+    for k in range(4):
+        byte = ((words >> 8 * k) & 0xFF).astype(jnp.bfloat16)
+        lhs, rhs = (byte, select) if words_first else (select, byte)
+        moved = jnp.dot(lhs, rhs, precision=_BYTES, preferred_element_type=_F32)
+        moved = moved.astype(jnp.int32) << 8 * k
+        out = moved if out is None else out | moved
+    return out
+
+
 def expand(tile: jax.Array, part: Part, records: int) -> jax.Array:
     """[blocks * records, lanes] int32: for blocks of `part.rows` lane rows laid end to end
     in `tile` ([blocks * part.rows, lanes], as copied), row (i, e) is the lane row holding
@@ -72,14 +85,7 @@ def expand(tile: jax.Array, part: Part, records: int) -> jax.Array:
     block, e = record_of(n, records)
     source = block * part.rows + lax.shift_right_logical(e, part.per_row.bit_length() - 1)
     column = lax.broadcasted_iota(jnp.int32, (n, words.shape[0]), 1)
-    select = (column == source).astype(jnp.bfloat16)
-    out = None
-    for k in range(4):
-        byte = ((words >> 8 * k) & 0xFF).astype(jnp.bfloat16)
-        moved = jnp.dot(select, byte, precision=_BYTES, preferred_element_type=_F32)
-        moved = moved.astype(jnp.int32) << 8 * k
-        out = moved if out is None else out | moved
-    return out
+    return _byte_product(words, (column == source).astype(jnp.bfloat16), words_first=False)
 
 
 def shift_lanes(x: jax.Array, by) -> jax.Array:
@@ -101,13 +107,7 @@ def _moved(words: jax.Array, first: int, count: int, lanes: int) -> jax.Array:
     src = lax.broadcasted_iota(jnp.int32, (words.shape[1], lanes), 0)
     dst = lax.broadcasted_iota(jnp.int32, (words.shape[1], lanes), 1)
     select = ((dst == src + first) & (src < count)).astype(jnp.bfloat16)
-    out = None
-    for k in range(4):
-        byte = ((words >> 8 * k) & 0xFF).astype(jnp.bfloat16)
-        moved = jnp.dot(byte, select, precision=_BYTES, preferred_element_type=_F32)
-        moved = moved.astype(jnp.int32) << 8 * k
-        out = moved if out is None else out | moved
-    return out
+    return _byte_product(words, select, words_first=True)
 
 
 def part_words(words: jax.Array, part: Part) -> jax.Array:
