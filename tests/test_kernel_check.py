@@ -115,12 +115,17 @@ def test_check_rejects_bad_arguments_by_name(capsys, argv, message):
 def test_check_called_directly_checks_its_namespace():
     good = dict(preset="tiny", batch=2, context=40, chunk=8, repeats=1)
     with pytest.raises(ValueError, match=r"--batch: expected an integer in \[1, inf\]; got 0"):
-        cli.check(argparse.Namespace(**dict(good, batch=0)))
+        kernel_check.command(argparse.Namespace(**dict(good, batch=0)))
+    with pytest.raises(TypeError, match=r"--repeats: expected an integer; got 1.5"):
+        kernel_check.command(argparse.Namespace(**dict(good, repeats=1.5)))
+    with pytest.raises(TypeError, match="--chunk: expected a value"):
+        kernel_check.command(argparse.Namespace(**{k: v for k, v in good.items()
+                                                   if k != "chunk"}))
     with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', "
                                          r"'tiny'\); got 'huge'"):
-        cli.check(argparse.Namespace(**dict(good, preset="huge")))
+        kernel_check.command(argparse.Namespace(**dict(good, preset="huge")))
     with pytest.raises(ValueError, match=r"--ops: expected one of \('emit_entries', .*; got "
                                          "'attention'"):
-        cli.check(argparse.Namespace(**dict(good, ops=["attention"])))
+        kernel_check.command(argparse.Namespace(**dict(good, ops=["attention"])))
     with pytest.raises(ValueError, match=r"ops_to_check: expected one of .*; got 'scores'"):
         kernel_check.check_kernels(MODEL, ops_to_check=("scores",))

@@ -10,9 +10,8 @@
                  for flash and pro) or those of --formats; with --target v5e (v4, v6e) also
                  the bytes the TPU compiler lays the cache out in on that chip.
   v4kv check     every Pallas kernel against the jnp reference on this machine's accelerator
-                 (on a CPU, the TPU kernels in interpret mode), at a preset's widths or
-                 your own: per op, whether it agrees, the largest error and both times;
-                 records the rows "auto" follows in ~/.cache/v4kv_jax/measured.json.
+                 (a CPU interprets them) at a preset's widths or yours: per op, agreement,
+                 largest error, both times; records the rows "auto" follows.
 
 `v4kv demo` keeps the programs it compiles in jax's persistent compilation cache, in
 ~/.cache/v4kv_jax/jax ($XDG_CACHE_HOME/v4kv_jax/jax; JAX_COMPILATION_CACHE_DIR moves it,
@@ -30,9 +29,8 @@ import time
 import jax
 import numpy as np
 
-from v4kv_jax import checks, pools, targets
+from v4kv_jax import checks, kernel_check, pools, targets
 from v4kv_jax import config as cfg
-from v4kv_jax.ops import choice
 from v4kv_jax.pools import storage
 from v4kv_jax.pools.layout import compressor_specs
 
@@ -61,7 +59,7 @@ _FALSE = ("0", "false", "f", "no", "n", "off")
 def default_cache_dir() -> str:
     """The per-user folder of the CLI's compilation cache: $XDG_CACHE_HOME/v4kv_jax/jax, by
     default ~/.cache/v4kv_jax/jax."""
-    return os.path.join(choice.user_dir(), "jax")
+    return os.path.join(kernel_check.choice.user_dir(), "jax")
 
 
 def compile_cache(enabled: bool = True) -> str | None:
@@ -432,110 +430,11 @@ def memory(args) -> int:
     return 0
 
 
-# The integer widths `v4kv check --set` may change (the AttentionConfig fields the kernels
-# read).
-WIDTHS = ("num_heads", "head_dim", "rope_dim", "window", "csa_ratio", "hca_ratio",
-          "index_heads", "index_head_dim", "index_topk")
-
-
-def _widths(values) -> dict[str, int]:
-    """{field: value} of `--set FIELD=N` options, each checked by name."""
-    out = {}
-    for text in values or ():
-        field, _, value = str(text).partition("=")
-        if field not in WIDTHS or not value.strip().lstrip("-").isdigit():
-            checks.fail("--set", f"FIELD=INTEGER with FIELD one of {WIDTHS}", repr(text))
-        out[field] = int(value)
-    return out
-
-
-def _check_model(args) -> cfg.AttentionConfig:
-    """The preset's widths with the `--set` overrides; a config the overrides make invalid
-    raises naming --set."""
-    checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
-    widths = _widths(getattr(args, "set", None))
-    try:
-        return cfg.PRESETS[args.preset](**widths)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"--set: expected widths the {args.preset} preset accepts; got "
-                         f"{widths} ({e})") from None
-
-
-def _check_problem(args) -> str | None:
-    """What is wrong with a combination of `v4kv check` options."""
-    try:
-        _check_model(args)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def _ms(x: float | None) -> str:
-    return "-" if x is None or x != x else f"{x:.3f}"
-
-
-def check(args) -> int:
-    from v4kv_jax import kernel_check
-
-    _check_namespace(args, ("batch", "context", "chunk", "repeats"))
-    model = _check_model(args)
-    formats = getattr(args, "formats", None) or cfg.PRESET_FORMATS[args.preset]
-    checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
-    selected = tuple(getattr(args, "ops", None) or cfg.KERNEL_OPS)
-    for op in selected:
-        checks.one_of("--ops", op, cfg.KERNEL_OPS)
-    implementation, interpret = kernel_check.default_implementation()
-    implementation = getattr(args, "implementation", None) or implementation
-    checks.one_of("--implementation", implementation, ("pallas_tpu", "pallas_gpu"))
-    backend = jax.default_backend()
-    interpret = interpret or backend != implementation.removeprefix("pallas_")
-    device = jax.devices()[0].device_kind
-    overrides = _widths(getattr(args, "set", None))
-    _say(f"v4kv check on {backend.upper()} ({device}): the {implementation} kernels "
-         + ("in interpret mode (times are the interpreter's, not a kernel's)"
-            if interpret else "compiled for this device")
-         + f" against the reference; {args.preset} widths"
-         + (f" with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else "")
-         + f" (H={model.num_heads} hd={model.head_dim} r={model.rope_dim} W={model.window} "
-         f"m={model.csa_ratio} m'={model.hca_ratio} indexer {model.index_heads}x"
-         f"{model.index_head_dim} top-k={model.index_topk}), {formats} formats, batch "
-         f"{args.batch}, context {args.context}")
-    _say(f"{'op':<24} {'agree':<6} {'max error':>10} {'tolerance':>10} {'reference ms':>13} "
-         f"{'kernel ms':>10}")
-
-    def show(r) -> None:
-        agree = "skip" if r.agree is None else "yes" if r.agree else "NO"
-        error = "-" if r.max_error != r.max_error else f"{r.max_error:.2e}"
-        tolerance = "-" if r.tolerance != r.tolerance else f"{r.tolerance:.0e}"
-        _say(f"{r.op:<24} {agree:<6} {error:>10} {tolerance:>10} {_ms(r.reference_ms):>13} "
-             f"{_ms(r.kernel_ms):>10}" + (f"  {r.skipped or r.failed}"
-                                          if r.skipped or r.failed else ""))
-
-    results = kernel_check.check_kernels(
-        model, formats=formats, batch=args.batch, context=args.context, chunk=args.chunk,
-        repeats=args.repeats, implementation=implementation, interpret=interpret,
-        ops_to_check=selected, on_result=show)
-    disagree = [r.op for r in results if r.agree is False]
-    _say(("Every kernel checked agrees with the reference." if not disagree else
-          f"Disagree with the reference: {', '.join(disagree)} (\"auto\" runs the reference "
-          "for them).") if results else "No op to check: the model has no CSA or HCA layer.")
-    if getattr(args, "no_record", False):
-        _say("Not recorded (--no-record).")
-    elif results:
-        path = kernel_check.record(results)
-        _say(f"Recorded {_count(len(kernel_check.rows(results)), 'row')} for {backend} in "
-             f"{path}: \"auto\" on {backend} reads them (a disagreeing kernel is not run, "
-             "else the faster of the two)"
-             + (", though on a CPU it always runs the reference." if backend == "cpu" else "."))
-    return 1 if disagree else 0
-
-
 # Integer options: (lowest, highest or None). argparse checks them on the command line; `demo`
 # and `memory` check them again when called with a hand-made namespace.
 BOUNDS = {"lengths": (1, None), "decode_steps": (0, None), "chunk": (1, None),
           "pages": (1, None), "seed": (0, 2**32 - 1), "new_tokens": (1, None),
-          "vocab": (1, None), "tokens": (1, None), "hot_rows": (0, None), "devices": (1, None),
-          "batch": (1, None), "context": (1, None), "repeats": (1, None)}
+          "vocab": (1, None), "tokens": (1, None), "hot_rows": (0, None), "devices": (1, None)}
 
 
 def _check_namespace(args, options: tuple[str, ...]) -> None:
@@ -684,45 +583,7 @@ def _parser() -> argparse.ArgumentParser:
                         "out on one chip of this generation, libtpu needed, no TPU (default: "
                         "none, the bytes as stored only)")
     p.set_defaults(run=memory, problem=_memory_problem, parser=p)
-    p = sub.add_parser(
-        "check", formatter_class=_HelpFormatter,
-        help="every Pallas kernel against the jnp reference on this machine's accelerator; "
-             "records the rows \"auto\" follows",
-        description="Runs each op with a Pallas kernel (the compressor emissions, the "
-                    "indexer's scores, the CSA sparse and the HCA dense decode reads) with the "
-                    "kernel and with the jnp reference on the same random cache, on this "
-                    "machine's accelerator (on a CPU, the TPU kernels in interpret mode), at a "
-                    "preset's widths or those --set gives. Prints per op whether the two "
-                    "agree, the largest error and the time of each, and records the results "
-                    "in the user's table (~/.cache/v4kv_jax/measured.json; $V4KV_MEASURED "
-                    "moves it), which \"auto\" reads: an op whose kernel disagrees runs the "
-                    "reference, else the faster of the two. Exit status 0 when every kernel "
-                    "checked agrees, 1 otherwise.")
-    p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash",
-                   help="the model's attention widths")
-    p.add_argument("--set", action="append", metavar="FIELD=N",
-                   help="change one width of the preset, e.g. --set head_dim=256 (repeat it "
-                        f"for several; FIELD one of {', '.join(WIDTHS)})")
-    p.add_argument("--formats", choices=tuple(cfg.FORMAT_SETS), default=None,
-                   help="storage formats (default: the preset's: release for flash and pro, "
-                        "float32 for tiny)")
-    p.add_argument("--batch", type=option["batch"], default=4, metavar="N",
-                   help="requests in the batch")
-    p.add_argument("--context", type=option["context"], default=4096, metavar="TOKENS",
-                   help="tokens of the longest request (the others hold fewer)")
-    p.add_argument("--chunk", type=option["chunk"], default=64, metavar="TOKENS",
-                   help="tokens each request appends in the compressor checks")
-    p.add_argument("--repeats", type=option["repeats"], default=5, metavar="N",
-                   help="timed calls of each implementation after the first")
-    p.add_argument("--ops", nargs="+", choices=cfg.KERNEL_OPS, default=None, metavar="OP",
-                   help=f"the ops to check, of {', '.join(cfg.KERNEL_OPS)} (default: all)")
-    p.add_argument("--implementation", choices=("pallas_tpu", "pallas_gpu"), default=None,
-                   help="the kernels to check (default: this platform's; on a CPU pallas_tpu, "
-                        "in interpret mode as every kernel off its own platform)")
-    p.add_argument("--no-record", action="store_true",
-                   help="print only; leave the table \"auto\" reads as it is (default: "
-                        "record)")
-    p.set_defaults(run=check, problem=_check_problem, parser=p)
+    kernel_check.add_parser(sub, _int_option, _HelpFormatter)
     return parser
 
 

@@ -18,7 +18,8 @@ precision; and for stored rows at least one step of the storage format (two fp32
 round to neighbours when they straddle a rounding boundary).
 
 `record` writes the results as rows of the table "auto" reads (`ops.choice.measured`), in
-the user's table (`ops.choice.user_measured_path()`), one row per platform and op.
+the user's table (`ops.choice.user_measured_path()`), one row per platform and op. The
+command `v4kv check` (`command`, `add_parser`: the CLI adds it) prints and records them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v4kv_jax import checks, ops, pools
+from v4kv_jax import checks, ops, pools, programs
 from v4kv_jax import config as cfg
 from v4kv_jax.config import KERNEL_OPS, AttentionConfig, CacheConfig, LayerKind
 from v4kv_jax.ops import choice
@@ -129,12 +130,12 @@ def _decode_cases(model, geometry, cache, lengths, seed: int):
 
     kv_end = jnp.asarray(lengths, jnp.int32)
     common = dict(window=pools.window_ring(cache), slot_ids=jnp.arange(batch, dtype=jnp.int32),
-                  q_pos=kv_end - 1, kv_end=kv_end, page_rows=cache.pages.page_table,
+                  q_pos=kv_end - 1, kv_end=kv_end, page_rows=pools.page_state(cache).page_table,
                   q=normal(batch, model.num_heads, model.head_dim), sink=normal(model.num_heads))
     cases = {}
     if model.num_csa:
         index = dict(index_keys=pools.csa_entries(cache).index_keys,
-                     page_rows=cache.pages.page_table,
+                     page_rows=pools.page_state(cache).page_table,
                      index_q=normal(batch, model.index_heads, model.index_head_dim),
                      index_weights=normal(batch, model.index_heads), q_pos=kv_end - 1,
                      kv_end=kv_end)
@@ -163,7 +164,8 @@ def _emission_cases(model, geometry, cache, lengths, chunk: int, seed: int):
     rng = np.random.default_rng(seed + 1)
     batch = len(lengths)
     counts = np.minimum(chunk, np.asarray(lengths))
-    common = dict(page_rows=cache.pages.page_table, slot_ids=jnp.arange(batch, dtype=jnp.int32),
+    common = dict(page_rows=pools.page_state(cache).page_table,
+                  slot_ids=jnp.arange(batch, dtype=jnp.int32),
                   start=jnp.asarray(np.asarray(lengths) - counts, jnp.int32),
                   n_new=jnp.asarray(counts, jnp.int32))
     ring, online = {}, None
@@ -264,11 +266,10 @@ def check_kernels(model: AttentionConfig, *, formats: str = "float32", batch: in
         if skipped is not None:
             result = OpCheck(op, implementation, interpret, shape, None, skipped=skipped)
         else:
-            want, reference_ms = _timed(jax.jit(functools.partial(fn, reference)), (inputs,),
-                                        repeats)
+            run = programs.program(f"check.{op}", fn, static=("options",), register=False)
+            want, reference_ms = _timed(functools.partial(run, reference), (inputs,), repeats)
             try:
-                got, kernel_ms = _timed(jax.jit(functools.partial(fn, kernel)), (inputs,),
-                                        repeats)
+                got, kernel_ms = _timed(functools.partial(run, kernel), (inputs,), repeats)
             except Exception as e:  # a kernel the device's compiler or runtime refuses
                 first = (str(e).strip().splitlines() or [""])[0]
                 result = OpCheck(op, implementation, interpret, shape, False,
@@ -320,3 +321,159 @@ def record(results: list[OpCheck], path: str | None = None) -> str:
     """Writes `rows(results)` into the user's table (`ops.choice.user_measured_path()`, or
     `path`), replacing the rows of the same platform and op; returns the path."""
     return choice.record(rows(results), path)
+
+
+# --- `v4kv check` --------------------------------------------------------------------------
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# Integer options of `v4kv check`: (lowest, highest or None).
+BOUNDS = {"batch": (1, None), "context": (1, None), "chunk": (1, None), "repeats": (1, None)}
+
+# The integer widths `v4kv check --set` may change (the AttentionConfig fields the kernels
+# read).
+WIDTHS = ("num_heads", "head_dim", "rope_dim", "window", "csa_ratio", "hca_ratio",
+          "index_heads", "index_head_dim", "index_topk")
+
+
+def _widths(values) -> dict[str, int]:
+    """{field: value} of `--set FIELD=N` options, each checked by name."""
+    out = {}
+    for text in values or ():
+        field, _, value = str(text).partition("=")
+        if field not in WIDTHS or not value.strip().lstrip("-").isdigit():
+            checks.fail("--set", f"FIELD=INTEGER with FIELD one of {WIDTHS}", repr(text))
+        out[field] = int(value)
+    return out
+
+
+def _check_model(args) -> cfg.AttentionConfig:
+    """The preset's widths with the `--set` overrides; a config the overrides make invalid
+    raises naming --set."""
+    checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
+    widths = _widths(getattr(args, "set", None))
+    try:
+        return cfg.PRESETS[args.preset](**widths)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--set: expected widths the {args.preset} preset accepts; got "
+                         f"{widths} ({e})") from None
+
+
+def problem(args) -> str | None:
+    """What is wrong with a combination of `v4kv check` options."""
+    try:
+        _check_model(args)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+def command(args) -> int:
+    """`v4kv check` on a namespace of its options (argparse's, or one made by hand: each
+    option is checked by name)."""
+    for name, (lo, _) in BOUNDS.items():
+        if getattr(args, name, None) is None:
+            checks.fail(f"--{name}", "a value (an argparse namespace of the subcommand's "
+                        "options)", None, TypeError)
+        checks.integer(f"--{name}", getattr(args, name), lo=lo)
+    model = _check_model(args)
+    formats = getattr(args, "formats", None) or cfg.PRESET_FORMATS[args.preset]
+    checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
+    selected = tuple(getattr(args, "ops", None) or KERNEL_OPS)
+    for op in selected:
+        checks.one_of("--ops", op, KERNEL_OPS)
+    implementation, interpret = default_implementation()
+    implementation = getattr(args, "implementation", None) or implementation
+    checks.one_of("--implementation", implementation, ("pallas_tpu", "pallas_gpu"))
+    backend = jax.default_backend()
+    interpret = interpret or backend != implementation.removeprefix("pallas_")
+    device = jax.devices()[0].device_kind
+    overrides = _widths(getattr(args, "set", None))
+    _say(f"v4kv check on {backend.upper()} ({device}): the {implementation} kernels "
+         + ("in interpret mode (times are the interpreter's, not a kernel's)"
+            if interpret else "compiled for this device")
+         + f" against the reference; {args.preset} widths"
+         + (f" with {', '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else "")
+         + f" (H={model.num_heads} hd={model.head_dim} r={model.rope_dim} W={model.window} "
+         f"m={model.csa_ratio} m'={model.hca_ratio} indexer {model.index_heads}x"
+         f"{model.index_head_dim} top-k={model.index_topk}), {formats} formats, batch "
+         f"{args.batch}, context {args.context}")
+    _say(f"{'op':<24} {'agree':<6} {'max error':>10} {'tolerance':>10} {'reference ms':>13} "
+         f"{'kernel ms':>10}")
+
+    def show(r) -> None:
+        agree = "skip" if r.agree is None else "yes" if r.agree else "NO"
+        error = "-" if r.max_error != r.max_error else f"{r.max_error:.2e}"
+        tolerance = "-" if r.tolerance != r.tolerance else f"{r.tolerance:.0e}"
+        _say(f"{r.op:<24} {agree:<6} {error:>10} {tolerance:>10} {_ms(r.reference_ms):>13} "
+             f"{_ms(r.kernel_ms):>10}" + (f"  {r.skipped or r.failed}"
+                                          if r.skipped or r.failed else ""))
+
+    results = check_kernels(
+        model, formats=formats, batch=args.batch, context=args.context, chunk=args.chunk,
+        repeats=args.repeats, implementation=implementation, interpret=interpret,
+        ops_to_check=selected, on_result=show)
+    disagree = [r.op for r in results if r.agree is False]
+    _say(("Every kernel checked agrees with the reference." if not disagree else
+          f"Disagree with the reference: {', '.join(disagree)} (\"auto\" runs the reference "
+          "for them).") if results else "No op to check: the model has no CSA or HCA layer.")
+    if getattr(args, "no_record", False):
+        _say("Not recorded (--no-record).")
+    elif results:
+        path, n = record(results), len(rows(results))
+        _say(f"Recorded {n} row{'' if n == 1 else 's'} for {backend} in "
+             f"{path}: \"auto\" on {backend} reads them (a disagreeing kernel is not run, "
+             "else the faster of the two)"
+             + (", though on a CPU it always runs the reference." if backend == "cpu" else "."))
+    return 1 if disagree else 0
+
+
+def add_parser(sub, int_option, formatter):
+    """Adds `v4kv check` to the CLI's subparsers `sub`; `int_option(lo, hi)` makes an
+    argparse type for an integer option, `formatter` is the help formatter class."""
+    p = sub.add_parser(
+        "check", formatter_class=formatter,
+        help="every Pallas kernel against the jnp reference on this machine's accelerator; "
+             "records the rows \"auto\" follows",
+        description="Runs each op with a Pallas kernel (the compressor emissions, the "
+                    "indexer's scores, the CSA sparse and the HCA dense decode reads) with the "
+                    "kernel and with the jnp reference on the same random cache, on this "
+                    "machine's accelerator (on a CPU, the TPU kernels in interpret mode), at a "
+                    "preset's widths or those --set gives. Prints per op whether the two "
+                    "agree, the largest error and the time of each, and records the results "
+                    "in the user's table (~/.cache/v4kv_jax/measured.json; $V4KV_MEASURED "
+                    "moves it), which \"auto\" reads: an op whose kernel disagrees runs the "
+                    "reference, else the faster of the two. Exit status 0 when every kernel "
+                    "checked agrees, 1 otherwise.")
+    p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash",
+                   help="the model's attention widths")
+    p.add_argument("--set", action="append", metavar="FIELD=N",
+                   help="change one width of the preset, e.g. --set head_dim=256 (repeat it "
+                        f"for several; FIELD one of {', '.join(WIDTHS)})")
+    p.add_argument("--formats", choices=tuple(cfg.FORMAT_SETS), default=None,
+                   help="storage formats (default: the preset's: release for flash and pro, "
+                        "float32 for tiny)")
+    p.add_argument("--batch", type=int_option(*BOUNDS["batch"]), default=4, metavar="N",
+                   help="requests in the batch")
+    p.add_argument("--context", type=int_option(*BOUNDS["context"]), default=4096, metavar="TOKENS",
+                   help="tokens of the longest request (the others hold fewer)")
+    p.add_argument("--chunk", type=int_option(*BOUNDS["chunk"]), default=64, metavar="TOKENS",
+                   help="tokens each request appends in the compressor checks")
+    p.add_argument("--repeats", type=int_option(*BOUNDS["repeats"]), default=5, metavar="N",
+                   help="timed calls of each implementation after the first")
+    p.add_argument("--ops", nargs="+", choices=KERNEL_OPS, default=None, metavar="OP",
+                   help=f"the ops to check, of {', '.join(KERNEL_OPS)} (default: all)")
+    p.add_argument("--implementation", choices=("pallas_tpu", "pallas_gpu"), default=None,
+                   help="the kernels to check (default: this platform's; on a CPU pallas_tpu, "
+                        "in interpret mode as every kernel off its own platform)")
+    p.add_argument("--no-record", action="store_true",
+                   help="print only; leave the table \"auto\" reads as it is (default: "
+                        "record)")
+    p.set_defaults(run=command, problem=problem, parser=p)
+    return p
