@@ -87,6 +87,34 @@ def test_check_prints_each_op_and_records_the_rows_auto_reads(tmp_path, monkeypa
     assert "`v4kv check`" in said[0] and str(table) in said[0]
 
 
+def test_check_reports_a_wrong_kernel_and_one_that_fails(tmp_path, monkeypatch, capsys):
+    """Planted faults: the dense read's kernel off by 0.01, the indexer's kernel raising (as
+    a chip's compiler refusing it would); --no-record leaves the table alone."""
+    import pallas_kernels.dense_attention.tpu as dense
+    import pallas_kernels.indexer.tpu as indexer
+
+    table = tmp_path / "measured.json"
+    monkeypatch.setenv("V4KV_MEASURED", str(table))
+    right = dense.dense_decode_attention
+    monkeypatch.setattr(dense, "dense_decode_attention",
+                        lambda *args, **kwargs: right(*args, **kwargs) + 0.01)
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Mosaic failed to compile the kernel\nsecond line")
+
+    monkeypatch.setattr(indexer, "index_scores", refused)
+    assert cli.main([*CHECK, "--no-record"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^index_scores +NO +- +- +\d+\.\d{3} +-  RuntimeError: Mosaic failed "
+                     r"to compile the kernel$", out, re.M), out
+    # 0.01 everywhere, divided by the largest |output| where that is above 1 (module doc).
+    error = re.search(r"^dense_decode_attention +NO +(\S+) +1e-05 ", out, re.M)
+    assert error and 1e-3 < float(error[1]) <= 0.01 + 1e-6, out
+    assert ("Disagree with the reference: index_scores, dense_decode_attention (\"auto\" runs "
+            "the reference for them).") in out
+    assert "Not recorded (--no-record)." in out and not table.exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["check", "--set", "head_dim=abc"], "argument --set: expected FIELD=INTEGER with FIELD one "
                                          "of ('num_heads', 'head_dim', "),
