@@ -66,7 +66,10 @@ def test_check_prints_each_op_and_records_the_rows_auto_reads(tmp_path, monkeypa
     bad = dataclasses.replace(checked, op="index_scores", agree=False, max_error=0.5)
     good = dataclasses.replace(checked, op="dense_decode_attention", reference_ms=2.0,
                                kernel_ms=1.0)
-    kernel_check.choice.record(kernel_check.rows([bad, good], device="TPU v5 lite",
+    # A row of the GPU kernels interpreted on a TPU says nothing of the TPU's own kernel.
+    foreign = dataclasses.replace(checked, op="emit_entries", implementation="pallas_gpu",
+                                  interpret=True, agree=False)
+    kernel_check.choice.record(kernel_check.rows([bad, good, foreign], device="TPU v5 lite",
                                                  platform="tpu"))
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     monkeypatch.setattr(ops.choice, "_SAID", set())
@@ -113,6 +116,27 @@ def test_check_reports_a_wrong_kernel_and_one_that_fails(tmp_path, monkeypatch, 
     assert ("Disagree with the reference: index_scores, dense_decode_attention (\"auto\" runs "
             "the reference for them).") in out
     assert "Not recorded (--no-record)." in out and not table.exists()
+
+
+def test_auto_ignores_a_user_table_it_cannot_read_and_says_so_once(tmp_path, monkeypatch,
+                                                                   caplog):
+    table = tmp_path / "measured.json"
+    monkeypatch.setenv("V4KV_MEASURED", str(table))
+    monkeypatch.setattr(ops.choice, "_SAID", set())
+    for text in ("{not json", '{"measurements": [{"op": "index_scores"}]}'):
+        table.write_text(text)
+        with caplog.at_level(logging.WARNING, logger="v4kv_jax.ops.choice"):
+            for _ in range(2):
+                assert {row["table"] for row in ops.measured().values()} == {
+                    ops.MEASURED_PATH}
+                choice = ops.choose("index_scores", MODEL, GEOMETRY, v4.Options(),
+                                    backend="gpu")
+                assert "measured faster on NVIDIA H200" in choice.why  # the committed row
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # once per version of the file
+    assert all(m.startswith(f"auto ignores the user's table {table}, which it cannot read")
+               for m in said)
+    assert "JSONDecodeError" in said[0] and "a row without its platform or op" in said[1]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -428,8 +428,12 @@ def command(args) -> int:
     _say(("Every kernel checked agrees with the reference." if not disagree else
           f"Disagree with the reference: {', '.join(disagree)} (\"auto\" runs the reference "
           "for them).") if results else "No op to check: the model has no CSA or HCA layer.")
+    own = (implementation, interpret) == default_implementation()
     if getattr(args, "no_record", False):
         _say("Not recorded (--no-record).")
+    elif not own:
+        _say(f"Not recorded: \"auto\" on {backend} does not run the {implementation} kernels"
+             + (" in interpret mode." if interpret else "."))
     elif results:
         path, n = record(results), len(rows(results))
         _say(f"Recorded {n} row{'' if n == 1 else 's'} for {backend} in "

@@ -51,6 +51,9 @@ assert tuple(_OPS) == KERNEL_OPS
 MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 
 log = logging.getLogger(__name__)
+# What has been logged once: (platform, op) of an unmeasured kernel, (path, stamp) of an
+# unreadable user table.
+_SAID: set[tuple] = set()
 
 
 _UNCHECKED: list[bool] = []
@@ -108,8 +111,20 @@ def measured() -> dict[tuple[str, str], dict]:
     """{(platform, op): measurement} from the committed `measured.json` and the user's table
     (`user_measured_path()`; its rows replace the committed ones of the same platform and
     op). Each row names its `table`."""
-    user = user_measured_path()
-    rows = _table(MEASURED_PATH, _stamp(MEASURED_PATH)) + _table(user, _stamp(user))
+    user, stamp = user_measured_path(), None
+    try:
+        stamp = _stamp(user)
+        rows = _table(user, stamp)
+        if not all(isinstance(row.get("platform"), str) and isinstance(row.get("op"), str)
+                   for row in rows):
+            raise ValueError("a row without its platform or op")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if (user, stamp) not in _SAID:
+            _SAID.add((user, stamp))
+            log.warning("auto ignores the user's table %s, which it cannot read (%s: %s); "
+                        "`v4kv check` writes it anew", user, type(e).__name__, e)
+        rows = ()
+    rows = _table(MEASURED_PATH, _stamp(MEASURED_PATH)) + rows
     return {(row["platform"], row["op"]): row for row in rows}
 
 
@@ -209,6 +224,8 @@ def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
     why = f"implementation={requested!r}"
     if requested == "auto":
         row = measured().get((backend, op))
+        if row is not None and impl != "reference" and row.get("implementation", impl) != impl:
+            row = None  # another platform's kernels, interpreted on this one
         if impl != "reference" and row is not None and row.get("agree") is False:
             impl = "reference"
             why = (f"auto: the kernel disagreed with the reference on {row['device']} "
@@ -238,9 +255,6 @@ def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
             and backend == jax.default_backend()):
         _say_unmeasured(backend, op, impl)
     return Choice(impl, options.interpret, options.blocks(op), why)
-
-
-_SAID: set[tuple[str, str]] = set()
 
 
 def _say_unmeasured(backend: str, op: str, implementation: str) -> None:
