@@ -200,10 +200,11 @@ def test_help_describes_every_command(capsys):
     assert "v4kv demo prefill + decode a ragged batch" in out  # the module docstring
     assert "demo prefill + decode a ragged batch on a small random model and check it" in out
     assert "memory cache cost of a preset (flash, pro) at a context length" in out
+    assert "check every Pallas kernel against the jnp reference on this machine's" in out
     assert "`v4kv <command> --help` lists the options of a command" in out
 
 
-@pytest.mark.parametrize("command", ["demo", "memory"])
+@pytest.mark.parametrize("command", ["demo", "memory", "check"])
 def test_help_of_a_command_gives_every_option_its_default(capsys, command):
     out = _help(capsys, [command, "--help"])
     sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
@@ -219,6 +220,10 @@ def test_help_of_a_command_gives_every_option_its_default(capsys, command):
         assert "(default: 128)" in out and "(default: 64)" in out and "(default: 0)" in out
         assert "(default: 32)" in out and "(default: 512)" in out
         assert "(default: scanned)" in out and "(default: False)" not in out
+    elif command == "check":
+        assert "(default: flash)" in out and "(default: 4096)" in out
+        assert "(default: the preset's widths)" in out and "(default: all)" in out
+        assert "(default: None)" not in out and "(default: False)" not in out
     else:
         assert "(default: flash)" in out and "(default: 1048576)" in out
         assert "(default: the preset's: release for flash and pro, float32 for tiny)" in out

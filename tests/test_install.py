@@ -83,7 +83,7 @@ def would_install(*args: str) -> list[str]:
 # --- docs/install.md ---------------------------------------------------------------------------
 
 INSTALL_MD = os.path.join(ROOT, "docs", "install.md")
-REPO_URL = "git+https://github.com/v4kv-jax/v4kv_jax.git"  # the notebook's V4KV_REPO
+REPO_URL = "git+https://github.com/v4kv-jax/v4kv_jax.git"  # the address the commands name
 
 
 def install_page() -> str:

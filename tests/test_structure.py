@@ -20,7 +20,7 @@ PACKAGE = ROOT / "v4kv_jax"
 
 # Lowest first: a module may import only modules before it (and the package's own children).
 ORDER = ["checks", "config", "rope", "programs", "targets", "pools", "vectors", "mesh", "ops",
-         "append", "step", "prefix", "nn", "serve", "interop", "testing", "cli"]
+         "append", "step", "prefix", "nn", "serve", "interop", "testing", "kernel_check", "cli"]
 
 
 def _unit(path: pathlib.Path) -> str:

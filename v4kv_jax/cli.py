@@ -9,6 +9,9 @@
                  the geometry alone, in the preset's storage formats (the release formats
                  for flash and pro) or those of --formats; with --target v5e (v4, v6e) also
                  the bytes the TPU compiler lays the cache out in on that chip.
+  v4kv check     every Pallas kernel against the jnp reference on this machine's accelerator
+                 (a CPU interprets them) at a preset's widths or yours: per op, agreement,
+                 largest error, both times; records the rows "auto" follows.
 
 `v4kv demo` keeps the programs it compiles in jax's persistent compilation cache, in
 ~/.cache/v4kv_jax/jax ($XDG_CACHE_HOME/v4kv_jax/jax; JAX_COMPILATION_CACHE_DIR moves it,
@@ -26,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from v4kv_jax import checks, pools, targets
+from v4kv_jax import checks, kernel_check, pools, targets
 from v4kv_jax import config as cfg
 from v4kv_jax.pools import storage
 from v4kv_jax.pools.layout import compressor_specs
@@ -56,8 +59,7 @@ _FALSE = ("0", "false", "f", "no", "n", "off")
 def default_cache_dir() -> str:
     """The per-user folder of the CLI's compilation cache: $XDG_CACHE_HOME/v4kv_jax/jax, by
     default ~/.cache/v4kv_jax/jax."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "v4kv_jax", "jax")
+    return os.path.join(kernel_check.choice.user_dir(), "jax")
 
 
 def compile_cache(enabled: bool = True) -> str | None:
@@ -581,6 +583,7 @@ def _parser() -> argparse.ArgumentParser:
                         "out on one chip of this generation, libtpu needed, no TPU (default: "
                         "none, the bytes as stored only)")
     p.set_defaults(run=memory, problem=_memory_problem, parser=p)
+    kernel_check.add_parser(sub, _int_option, _HelpFormatter)
     return parser
 
 

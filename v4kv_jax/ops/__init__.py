@@ -26,8 +26,10 @@ else in the library calls a kernel or chooses an implementation.
 `Options` is the only switch: `implementation` ("reference", "pallas_tpu", "pallas_gpu" or
 "auto"), `interpret` and per-op `block_sizes`. `choose` turns it into a `Choice` per op:
 "auto" runs the reference on CPU; on TPU and GPU it runs, per op, the faster of the
-reference and the kernel as measured on that platform (`measured.json`; today the H200 says
-the reference for the three read ops), else the platform's kernel. Each kernel module says
+reference and the kernel as measured on that platform (`measured.json`, where the H200 says
+the reference for the three read ops, and the user's own rows, which `v4kv check` records
+and which also say the reference where a kernel disagreed with it), else the platform's
+kernel (logged once per op where no row backs it). Each kernel module says
 which configs it runs (`supported(model, geometry)` returns why not, or None): "auto" then
 falls back to the reference; a forced implementation raises, naming the reason. Forcing a
 Pallas implementation on a backend that cannot run it raises `KernelUnavailableError`,

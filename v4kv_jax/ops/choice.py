@@ -1,7 +1,13 @@
 """Which implementation runs each op: the reference, a Pallas kernel, or per platform the
-faster of the two as measured (`measured.json`), and the dispatch that traces the choice
-into a program (`jax.lax.platform_dependent` where platforms differ). The ops door
-(`v4kv_jax.ops`) calls `_dispatch`; nothing else imports a kernel module.
+faster of the two as measured, and the dispatch that traces the choice into a program
+(`jax.lax.platform_dependent` where platforms differ). The ops door (`v4kv_jax.ops`) calls
+`_dispatch`; nothing else imports a kernel module.
+
+"auto" reads two tables of measured rows (one per platform and op): the committed
+`measured.json` beside this module, and the user's own, `user_measured_path()`, which
+`v4kv check` writes on the user's chip (`v4kv_jax.kernel_check`); a user's row replaces the
+committed row of its platform and op. A row whose kernel disagreed with the reference makes
+"auto" run the reference.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import logging
 import os
 
 import jax
@@ -43,6 +50,11 @@ assert tuple(_OPS) == KERNEL_OPS
 
 MEASURED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "measured.json")
 
+log = logging.getLogger(__name__)
+# What has been logged once: (platform, op) of an unmeasured kernel, (path, stamp) of an
+# unreadable user table.
+_SAID: set[tuple] = set()
+
 
 _UNCHECKED: list[bool] = []
 
@@ -63,12 +75,81 @@ class KernelUnavailableError(RuntimeError):
     """A forced Pallas implementation cannot run on the current backend."""
 
 
+def user_dir() -> str:
+    """The per-user folder of the library's files: $XDG_CACHE_HOME/v4kv_jax, by default
+    ~/.cache/v4kv_jax."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "v4kv_jax")
+
+
+def user_measured_path() -> str:
+    """The user's table of measured rows (`v4kv check` writes it; "auto" reads it):
+    $V4KV_MEASURED if set, else measured.json in `user_dir()`."""
+    return os.environ.get("V4KV_MEASURED") or os.path.join(user_dir(), "measured.json")
+
+
 @functools.cache
-def measured() -> dict[tuple[str, str], dict]:
-    """{(platform, op): measurement} from `measured.json` (one row per platform and op)."""
-    with open(MEASURED_PATH) as f:
+def _table(path: str, stamp: tuple[int, int] | None) -> tuple[dict, ...]:
+    """The rows of one table file, each with its `table` (the path); `stamp` (mtime, size)
+    is part of the cache key, so a rewritten file is read again."""
+    if stamp is None:
+        return ()
+    with open(path) as f:
         rows = json.load(f)["measurements"]
+    return tuple(dict(row, table=path) for row in rows)
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_mtime_ns, info.st_size
+
+
+def measured() -> dict[tuple[str, str], dict]:
+    """{(platform, op): measurement} from the committed `measured.json` and the user's table
+    (`user_measured_path()`; its rows replace the committed ones of the same platform and
+    op). Each row names its `table`."""
+    user, stamp = user_measured_path(), None
+    try:
+        stamp = _stamp(user)
+        rows = _table(user, stamp)
+        if not all(isinstance(row.get("platform"), str) and isinstance(row.get("op"), str)
+                   for row in rows):
+            raise ValueError("a row without its platform or op")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if (user, stamp) not in _SAID:
+            _SAID.add((user, stamp))
+            log.warning("auto ignores the user's table %s, which it cannot read (%s: %s); "
+                        "`v4kv check` writes it anew", user, type(e).__name__, e)
+        rows = ()
+    rows = _table(MEASURED_PATH, _stamp(MEASURED_PATH)) + rows
     return {(row["platform"], row["op"]): row for row in rows}
+
+
+def record(rows: list[dict], path: str | None = None) -> str:
+    """Writes measured rows (dicts with at least `platform` and `op`) into a table, by
+    default the user's (`user_measured_path()`): each replaces the row of its platform and
+    op, other rows are kept. Returns the path."""
+    path = path or user_measured_path()
+    table = {"about": "Rows measured on this user's chips by `v4kv check`; \"auto\" reads "
+                      "them beside the committed table (v4kv_jax/ops/measured.json) and "
+                      "prefers them.", "measurements": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    replaced = {(r["platform"], r["op"]) for r in rows}
+    kept = [r for r in table["measurements"] if (r["platform"], r["op"]) not in replaced]
+    table["measurements"] = sorted(kept + [dict(r) for r in rows],
+                                   key=lambda r: (r["platform"], r["op"]))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # Written whole or not at all: "auto" reads this file on every choice.
+    with open(path + ".tmp", "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def resolve(implementation: str = "auto", *, interpret: bool = False,
@@ -143,10 +224,22 @@ def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
     why = f"implementation={requested!r}"
     if requested == "auto":
         row = measured().get((backend, op))
-        if impl != "reference" and row is not None and row["reference_ms"] < row["kernel_ms"]:
+        if row is not None and impl != "reference" and row.get("implementation", impl) != impl:
+            row = None  # another platform's kernels, interpreted on this one
+        if impl != "reference" and row is not None and row.get("agree") is False:
+            impl = "reference"
+            why = (f"auto: the kernel disagreed with the reference on {row['device']} "
+                   f"({row['shape']}: max error {row.get('max_error')}, tolerance "
+                   f"{row.get('tolerance')}; {row['table']})")
+        elif impl != "reference" and row is not None and (
+                row["reference_ms"] < row["kernel_ms"]):
             impl = "reference"
             why = (f"auto: measured faster on {row['device']} ({row['shape']}: reference "
                    f"{row['reference_ms']} ms, kernel {row['kernel_ms']} ms)")
+        elif row is not None:
+            why = (f"auto on {backend}, as measured on {row['device']} ({row['shape']}: "
+                   f"reference {row['reference_ms']} ms, kernel {row['kernel_ms']} ms"
+                   + (", interpreted" if row.get("interpret") else "") + ")")
         else:
             why = f"auto on {backend}"
     # The TPU kernels' limits are Mosaic's: interpret mode runs every config.
@@ -158,7 +251,23 @@ def choose(op: str, model: AttentionConfig, geometry: CacheConfig,
         else:
             raise ValueError(f"implementation={requested!r} cannot run {op} for this config: "
                              f"{problem}")
+    if (requested == "auto" and impl != "reference" and row is None and not options.interpret
+            and backend == jax.default_backend()):
+        _say_unmeasured(backend, op, impl)
     return Choice(impl, options.interpret, options.blocks(op), why)
+
+
+def _say_unmeasured(backend: str, op: str, implementation: str) -> None:
+    """Logs, once per platform and op, that "auto" runs a kernel no measurement backs."""
+    if (backend, op) in _SAID:
+        return
+    _SAID.add((backend, op))
+    log.warning(
+        "auto on %s runs the %s kernel of %s: no table holds a measured row for this platform "
+        "and op (%s, %s), and a platform's kernels are the default there. `v4kv check` "
+        "compares each kernel with the reference on this chip, times both and records the "
+        "rows auto then follows.", backend, implementation, op, MEASURED_PATH,
+        user_measured_path())
 
 
 # Lowering platform names (`jax.lax.platform_dependent`) of the platforms with kernels.
