@@ -761,7 +761,10 @@ def test_the_serving_options_block_runs_as_written(caplog):
         exec(block, scope)  # noqa: S102 - the page's own code
     outs, engine = scope["outs"], scope["engine"]
     assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
-    assert engine.metrics()["requests_finished"] == 3
+    assert [len(o.logprobs) for o in outs] == [len(o.tokens) for o in outs]
+    assert all(len(top) == 3 for o in outs for top in o.top_logprobs)
+    assert [o.sample_index for o in scope["pair"]] == [0, 1]
+    assert engine.metrics()["requests_finished"] == 5
     assert any(r.getMessage().startswith("compiling generator") for r in caplog.records)
 
 
