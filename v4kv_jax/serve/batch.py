@@ -249,7 +249,7 @@ class StepProgram:
         padded = np.full((self.max_seq_len,), -1, np.int32)
         padded[:len(prompt)] = prompt
         self.counts, self.in_prompt = _penalty_row_jit(self.counts, self.in_prompt,
-                                                       jnp.int32(row), jnp.asarray(padded))
+                                                       np.int32(row), padded)
 
     def run(self, cache: Cache, batch: StepBatch
             ) -> tuple[dict[int, Cache], np.ndarray, np.ndarray | None, tuple[np.ndarray, ...]]:

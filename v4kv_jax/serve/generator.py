@@ -473,7 +473,7 @@ class Generator(ModelCache):
                     break
             reasons.append(reason or "length")
             out[b, made[b]:] = -1
-            chosen[b, made[b]:] = np.nan
+            chosen[b, made[b]:], top_lp[b, made[b]:], top_ids[b, made[b]:] = np.nan, np.nan, -1
         scores = {}
         if params.logprobs is not None:
             k = params.logprobs
