@@ -60,7 +60,8 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
               slot_ids: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
               keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
               min_p: jax.Array, repetition: jax.Array, presence: jax.Array,
-              frequency: jax.Array, stop_ids: jax.Array, limit: jax.Array):
+              frequency: jax.Array, fork_from: jax.Array, split: jax.Array, stop_ids: jax.Array,
+              limit: jax.Array):
     """Row b prefills prompts[b, :prompt_lengths[b]] into slot_ids[b] (an empty slot), then
     decodes up to `limit` tokens (<= max_new_tokens), until it draws one of stop_ids[b] (-1
     pads); a row of length 0 (slot id -1) appends and reads nothing. Token i of row b is drawn
@@ -68,7 +69,12 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     its prompt's tokens and the counts of its tokens so far, i32[B, V] carried by the loop)
     and its sampling options (`sampling.sample`). Returns (cache, tokens i32[B, T], their
     log-probabilities f32[B, T], the top ids i32[B, T, K] and log-probabilities f32[B, T, K]
-    of each step, `sampling.token_logprobs`)."""
+    of each step, `sampling.token_logprobs`).
+
+    A row with fork_from[b] = l >= 0 takes row l's first split[b] tokens instead of
+    computing them (split[b]: a multiple of page_tokens, = split[l]): row l (fork_from -1)
+    prefills its first split[l] tokens, then row b attaches those full pages of row l's slot
+    (refcount + 1, one copy) and restores row l's State, and both prefill the rest."""
     model = nnx.merge(graphdef, params)
     batch, buffer = prompts.shape
     rows = jnp.arange(batch)
@@ -76,16 +82,31 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     at = jnp.where(jnp.arange(buffer)[None] < prompt_lengths[:, None], prompts, V)
     in_prompt = jnp.zeros((batch, V), bool).at[rows[:, None], at].set(True, mode="drop")
 
-    def prefill(i, carry):
-        cache, last = carry
-        start = i * prefill_chunk
-        chunk = jax.lax.dynamic_slice_in_dim(prompts, start, prefill_chunk, axis=1)
-        n_new = jnp.clip(prompt_lengths - start, 0, prefill_chunk)
-        cache, h = model.hidden(chunk, cache, slot_ids, n_new, options=options)
-        at = prompt_lengths - 1 - start
-        here = (at >= 0) & (at < prefill_chunk)
-        last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
-        return cache, last
+    def prefill(cache, last, begin, end):
+        """Prefills prompts[b, begin[b]:end[b]] of every row, in chunks from begin."""
+        def chunk(i, carry):
+            cache, last = carry
+            start = begin + i * prefill_chunk
+            at = jnp.clip(start[:, None] + jnp.arange(prefill_chunk)[None], 0, buffer - 1)
+            n_new = jnp.clip(end - start, 0, prefill_chunk)
+            cache, h = model.hidden(jnp.take_along_axis(prompts, at, axis=1), cache, slot_ids,
+                                    n_new, options=options)
+            at = end - 1 - start
+            here = (at >= 0) & (at < prefill_chunk)
+            last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
+            return cache, last
+
+        trips = (jnp.max(end - begin) + prefill_chunk - 1) // prefill_chunk
+        return jax.lax.fori_loop(0, trips, chunk, (cache, last))
+
+    def fork(b, cache):
+        """Row b takes the pages and State of row fork_from[b] at split[b] (none: -1)."""
+        src = slot_ids[jnp.maximum(fork_from[b], 0)]
+        dst = jnp.where(fork_from[b] >= 0, slot_ids[b], -1)
+        state = pools.snapshot_state(cache, src)
+        cache = pools.attach_prefix(cache, dst, pools.page_table(cache)[src],
+                                    split[b] // cache.geometry.page_tokens)
+        return pools.restore_state(cache, dst, state)
 
     def draw(logits, i, counts, drawing):
         """(tokens, -1 where not `drawing`; their log-probabilities and top ones; counts)."""
@@ -98,9 +119,12 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     def stops(token):
         return jnp.any(token[:, None] == stop_ids, axis=1)
 
-    trips = (jnp.max(prompt_lengths) + prefill_chunk - 1) // prefill_chunk
     last = jnp.zeros((batch, model.config.attn_config.hidden_size), jnp.float32)
-    cache, last = jax.lax.fori_loop(0, trips, prefill, (cache, last))
+    start = jnp.zeros_like(split)
+    cache, last = prefill(cache, last, start, jnp.where(fork_from < 0, split, 0))
+    cache = jax.lax.cond(jnp.any(fork_from >= 0),
+                         lambda c: jax.lax.fori_loop(0, batch, fork, c), lambda c: c, cache)
+    cache, last = prefill(cache, last, split, prompt_lengths)
 
     active = prompt_lengths > 0
     token, scores, counts = draw(model.logits(last), 0, jnp.zeros((batch, V), jnp.int32),
@@ -137,7 +161,7 @@ def _generate_on_mesh(mesh, body, params, cache: Cache, *args):
     """`body` (`_generate` with its statics) per shard of `mesh`: the rows (and their keys
     and options) are the shards' rows end to end; params and the limit are replicated."""
     rows, one = meshes.P(meshes.DATA), meshes.P()
-    return meshes.shard_program(body, mesh, (one, meshes.CACHE) + (rows,) * 12 + (one,),
+    return meshes.shard_program(body, mesh, (one, meshes.CACHE) + (rows,) * 14 + (one,),
                                 (meshes.CACHE,) + (rows,) * 4)(params, cache, *args)
 
 
@@ -311,6 +335,7 @@ class Generator(ModelCache):
                         np.zeros((batch,), np.int32), np.ones((batch,), np.float32),
                         np.zeros((batch,), np.float32), np.ones((batch,), np.float32),
                         np.zeros((batch,), np.float32), np.zeros((batch,), np.float32),
+                        np.full((batch,), -1, np.int32), np.zeros((batch,), np.int32),
                         np.full((batch, STOP_IDS), -1, np.int32), limit=1)
         self._caches()
         for x in out:
@@ -351,7 +376,9 @@ class Generator(ModelCache):
         Each of the n samples of a prompt is a row (row b * n + j: sample j of prompt b; at
         most `max_slots` rows): the requests 0..rows-1 of the generator's `SlotTable` (the
         previous call's requests are released first), which stay admitted until the next
-        call. Every row prefills its prompt (the Generator shares no pages between rows).
+        call. The samples of a prompt on one shard compute its full pages before its last
+        token once: sample 0's row prefills them, the others attach them (one copy,
+        refcounted) and take its State there, then every row prefills the rest.
 
         Args:
           prompts: token ids per prompt.
@@ -440,12 +467,20 @@ class Generator(ModelCache):
         stops = np.full((batch, STOP_IDS), -1, np.int32)
         stops[:, :len(stop_ids)] = stop_ids
         full = lambda value, dtype: np.full((batch,), value, dtype)  # noqa: E731
+        fork_from, split = full(-1, np.int32), full(0, np.int32)
+        P = self.geometry.page_tokens
+        for r in range(count):  # sample j > 0 takes sample 0's pages, on the same shard
+            lead = r - r % n
+            if r != lead and r // S == lead // S and lengths[r] > P:
+                fork_from[r], split[r] = lead % S, (lengths[r] - 1) // P * P
+                split[lead] = split[r]
         out = self._run(caches, slot_ids, buf, lengths, np.asarray(keys),
                         full(params.temperature, np.float32), full(params.top_k, np.int32),
                         full(params.top_p, np.float32), full(params.min_p, np.float32),
                         full(params.repetition_penalty, np.float32),
                         full(params.presence_penalty, np.float32),
-                        full(params.frequency_penalty, np.float32), stops, limit=limit)
+                        full(params.frequency_penalty, np.float32), fork_from, split, stops,
+                        limit=limit)
         wanted = {b: int(lengths[b]) + limit - 1 for b in range(count)}
         error = None
         caches = self._caches()
