@@ -19,6 +19,7 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -29,9 +30,11 @@ from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.prefix import cache as prefix_cache
 from v4kv_jax.serve import engine as engine_module
 from v4kv_jax.serve.engine import Engine
+from v4kv_jax.serve.sampling import row_keys, sample, sample_stream, stream_key
 from v4kv_jax.testing import synthetic
 
 from conftest import GEOMETRY
+from test_sampling import np_logprobs, np_penalize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTENTION = v4.tiny(index_heads=16, window=64, compress_ratios=(0, 4, 16))
@@ -758,5 +761,88 @@ def test_the_serving_options_block_runs_as_written(caplog):
         exec(block, scope)  # noqa: S102 - the page's own code
     outs, engine = scope["outs"], scope["engine"]
     assert len(outs) == 2 and all(o.finish_reason in ("stop", "length") for o in outs)
-    assert engine.metrics()["requests_finished"] == 3
+    assert [len(o.logprobs) for o in outs] == [len(o.tokens) for o in outs]
+    assert all(len(top) == 3 for o in outs for top in o.top_logprobs)
+    assert [o.sample_index for o in scope["pair"]] == [0, 1]
+    assert engine.metrics()["requests_finished"] == 5
     assert any(r.getMessage().startswith("compiling generator") for r in caplog.records)
+
+
+def test_logprobs_penalties_and_n_samples_follow_the_numpy_rules():
+    """Every token the engine draws is the numpy rule's (`test_sampling.np_penalize` on the
+    token's own logits, `keep_logits`): greedy with penalties (which change the tokens of a
+    prompt of few distinct tokens), and n sampled samples, each drawn with its own stream;
+    the logprobs are log_softmax of those logits. The samples of a prompt are computed once
+    (samples 1.. hit its full page, held by every sample at once), the streamed samples
+    concatenate to their outputs, and none of it compiles a program after `warmup`."""
+    eng = engine()
+    eng.warmup()
+    traced = {name: p.traces for name, p in programs.PROGRAMS.items()}
+    prompt = ([3, 5, 7, 9] * 40)[:150]
+    penalties = dict(repetition_penalty=1.8, presence_penalty=0.6, frequency_penalty=0.4)
+    (plain,) = eng.generate([prompt], 8)
+    (pen,) = eng.generate([prompt], 8, logprobs=5, **penalties)
+    assert plain.logprobs is None and pen.tokens != plain.tokens
+    for i, token in enumerate(pen.tokens):
+        assert token == np.argmax(np_penalize(pen.logits[i], prompt, pen.tokens[:i], 1.8, 0.6,
+                                              0.4))
+        lp, top = np_logprobs(pen.logits[i], token, 5)
+        np.testing.assert_allclose(pen.logprobs[i], lp, atol=1e-5)
+        assert [t for t, _ in pen.top_logprobs[i]] == [t for t, _ in top]
+        np.testing.assert_allclose([v for _, v in pen.top_logprobs[i]], [v for _, v in top],
+                                   atol=1e-5)
+
+    fresh = BASE[300:450]
+    options = dict(temperature=1.0, top_k=12, seed=21, logprobs=0, **penalties)
+    first = eng.add_request(fresh, 5, n=3, **options)
+    shared = 0
+    outs = {}
+    while eng.in_flight:
+        outs.update((o.request_id, o) for o in eng.step())
+        shared = max(shared, eng.memory_report().pages_shared)
+    assert sorted(outs) == [first, first + 1, first + 2] and shared >= 1
+    samples = [outs[first + j] for j in range(3)]
+    assert [o.sample_index for o in samples] == [0, 1, 2]
+    assert [o.cached_tokens for o in samples] == [0, P, P]
+    assert len({tuple(o.tokens) for o in samples}) == 3
+    for j, out in enumerate(samples):
+        key = sample_stream(stream_key(21), j)
+        assert out.top_logprobs == [[]] * len(out.tokens)
+        for i, token in enumerate(out.tokens):
+            logits = np_penalize(out.logits[i], fresh, out.tokens[:i], 1.8, 0.6, 0.4)
+            want = sample(jnp.asarray(logits, jnp.float32)[None], row_keys(key[None], i),
+                          jnp.ones((1,), jnp.float32), jnp.full((1,), 12, jnp.int32))
+            assert token == int(want[0]), (j, i)
+            lp, _ = np_logprobs(out.logits[i], token, 0)
+            np.testing.assert_allclose(out.logprobs[i], lp, atol=1e-5)
+
+    streamed = {}
+    for events in eng.generate([fresh, prompt], 4, n=2, stream=True,
+                               **dict(options, logprobs=2)):
+        for e in events:
+            got = streamed.setdefault((e.index, e.sample_index), [[], [], []])
+            got[0] += e.new_tokens
+            got[1] += e.logprobs
+            got[2] += e.top_logprobs
+            if e.finished:
+                got.append(e.output)
+    assert sorted(streamed) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for tokens, logprobs, top, out in streamed.values():
+        assert (tokens, logprobs, top) == (out.tokens, out.logprobs, out.top_logprobs)
+    assert streamed[0, 0][0] == samples[0].tokens[:4]  # the seed's streams, sample by sample
+    assert streamed[0, 1][0] == samples[1].tokens[:4]
+    assert {name: p.traces for name, p in programs.PROGRAMS.items()} == traced
+
+
+def test_bad_serving_options_name_the_argument():
+    eng = engine()
+    for kwargs, message in [
+            (dict(n=0), r"n: expected an integer in \[1, inf\]; got 0"),
+            (dict(logprobs=25), r"logprobs: expected an integer in \[0, 20\]; got 25"),
+            (dict(repetition_penalty=-1.0),
+             r"repetition_penalty: expected a number in \(0.0, inf\]; got -1.0")]:
+        with pytest.raises(ValueError, match=message):
+            eng.add_request(BASE[:5], 2, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            eng.generate([BASE[:5]], 2, **kwargs)
+    assert eng.in_flight == []

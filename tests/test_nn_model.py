@@ -17,6 +17,9 @@ from v4kv_jax.config import LayerKind
 from v4kv_jax.nn import Decoder, ModelConfig, V4Attention, layer_groups
 from v4kv_jax.nn.model import MLP
 from v4kv_jax.serve import Generator, forward
+from v4kv_jax.serve.sampling import row_keys, sample, sample_stream
+
+from test_sampling import np_logprobs, np_penalize
 
 MODEL = v4.tiny(index_heads=16)  # all three kinds; enough indexer heads to avoid score ties
 CONFIG = ModelConfig(MODEL, vocab_size=48, mlp_hidden=80)
@@ -385,3 +388,64 @@ def test_stops_lengths_and_completions(generator):
     b = generator.generate([prompts[2], prompts[0]], temperature=1.0, top_k=5, top_p=0.9,
                            seed=8)
     assert a[0].tokens == b[1].tokens  # a seed: the same row whatever the batch
+
+
+def _reference(model, prompt, steps, penalties, *, key=None, temperature=0.0, top_k=0):
+    """Tokens and their logits by recomputing the whole sequence per new token, each drawn by
+    the numpy penalty rule (`test_sampling.np_penalize`) then argmax (no `key`) or `sample`
+    with fold_in(key, i)."""
+    graphdef, params = nnx.split(model)
+    seq, logits = list(prompt), []
+    for i in range(steps):
+        buf = np.zeros((1, MAX_PROMPT + MAX_NEW), np.int32)
+        buf[0, :len(seq)] = seq
+        _, lg = forward(graphdef, params, _fresh_cache(1), jnp.asarray(buf), jnp.arange(1),
+                        jnp.asarray([len(seq)]))
+        logits.append(np.asarray(lg)[0, len(seq) - 1])
+        scores = np_penalize(logits[-1], prompt, seq[len(prompt):], *penalties)
+        if key is None:
+            seq.append(int(np.argmax(scores)))
+        else:
+            seq.append(int(sample(jnp.asarray(scores, jnp.float32)[None], row_keys(key[None], i),
+                                  jnp.full((1,), temperature, jnp.float32),
+                                  jnp.full((1,), top_k, jnp.int32))[0]))
+    return seq[len(prompt):], logits
+
+
+def test_penalties_logprobs_and_samples_follow_the_numpy_rules(model, generator):
+    """Greedy rows with penalties (changing the tokens of prompts of few distinct tokens)
+    and n = 3 sampled samples of one prompt, each with its own stream, against the numpy
+    rule over recomputed logits; logprobs are log_softmax of those logits; one compiled
+    program serves calls with and without the options."""
+    prompts = [[4, 9, 4, 9, 4, 30, 4], [7] * 40 + [2, 7]]
+    generator.generate(prompts)
+    traces = generator.traces
+    penalties = (1.6, 0.5, 0.3)
+    names = dict(repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.3)
+    plain = generator.generate(prompts, 5)
+    out = generator.generate(prompts, 5, logprobs=4, **names)
+    assert plain.logprobs is None and plain[0].logprobs is None
+    assert out.as_lists() != plain.as_lists()
+    for b, prompt in enumerate(prompts):
+        tokens, logits = _reference(model, prompt, 5, penalties)
+        assert out[b].tokens == tokens
+        for i, token in enumerate(tokens):
+            lp, top = np_logprobs(logits[i], token, 4)
+            np.testing.assert_allclose(out[b].logprobs[i], lp, atol=1e-4)
+            assert [t for t, _ in out[b].top_logprobs[i]] == [t for t, _ in top]
+            np.testing.assert_allclose(out.top_logprobs[b, i], [v for _, v in top], atol=1e-4)
+    samples = generator.generate(prompts[:1], 3, n=3, temperature=1.0, top_k=6, seed=13,
+                                 logprobs=0, **names)
+    assert [c.sample_index for c in samples] == [0, 1, 2] and samples.top_ids.shape[-1] == 0
+    assert len({tuple(c.tokens) for c in samples}) == 3
+    for j, c in enumerate(samples):
+        key = sample_stream(jax.random.PRNGKey(13), j)
+        tokens, _ = _reference(model, prompts[0], 3, penalties, key=key, temperature=1.0,
+                               top_k=6)
+        assert c.tokens == tokens and c.prompt_ids == prompts[0]
+    assert generator.traces == traces
+    with pytest.raises(ValueError, match=r"n: expected at most 1 for 2 prompts "
+                                         r"\(len\(prompts\) \* n <= 3 rows: max_slots\); got 2"):
+        generator.generate(prompts, n=2)
+    with pytest.raises(ValueError, match=r"presence_penalty: expected a finite number; got inf"):
+        generator.generate(prompts, presence_penalty=float("inf"))

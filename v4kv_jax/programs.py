@@ -33,6 +33,7 @@ The library's programs, by name (`PROGRAMS`; the Generator makes one per instanc
   batch.pad                pad a batch's arrays to a bucket (manager)
   nn.forward               one model call (`nn.forward`)
   engine.step              the Engine's step: replay, prefill and decode rows, sampling
+  engine.penalty_row       a request's row of the step's penalty counts (its prompt's tokens)
   mesh.init_cache          an empty cache of a mesh, each device making its shard
 """
 

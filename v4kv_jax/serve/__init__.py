@@ -3,7 +3,8 @@
   manager     `SlotTable` (which request holds which slot of which shard) and the host
               lifecycle of a cache (`CacheManager`, `SlotCache`)
   sampling    `SamplingParams` and the one sampling rule (temperature, top-k, top-p, min-p,
-              per-request streams)
+              repetition, presence and frequency penalties, per-request and per-sample
+              streams) and the tokens' log-probabilities
   request     what a request is and what it returns (`Completion`, `RequestOutput`,
               `RequestMetrics`, `StreamOutput`, `EngineError`, `EngineReport`)
   generator   `Generator`: a batch of prompts in one jitted program (prefill, then decode)

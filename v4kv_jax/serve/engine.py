@@ -2,7 +2,8 @@
 
 `Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
 prompt with its options (`v4kv_jax.serve.sampling.SamplingParams`: temperature, top_k, top_p,
-min_p, seed, eos_id, stop token ids and sequences); each `step()` admits queued requests
+min_p, seed, eos_id, stop token ids and sequences, n samples, logprobs, repetition, presence
+and frequency penalties); each `step()` admits queued requests
 into free slots (`scheduler`: in order of arrival while the pool can hold each one's whole
 prompt and output, except that later requests that fit may pass one that does not for up to
 `max_head_wait` steps), then runs ONE jitted program of fixed shapes (`batch`): the replay
@@ -253,8 +254,13 @@ class Engine(ModelCache):
                     eos_id: int | None = None, cache_salt: str | bytes | None = None, *,
                     top_k: int | None = 0, top_p: float = 1.0, min_p: float = 0.0,
                     seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                    stop: Sequence[Sequence[int]] = ()) -> int:
-        """Queues a request; returns its id. It is admitted by a later `step()`.
+                    stop: Sequence[Sequence[int]] = (), n: int = 1,
+                    logprobs: int | None = None, repetition_penalty: float = 1.0,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> int:
+        """Queues a request; returns its id. It is admitted by a later `step()`. With `n`
+        samples, queues n requests of ids id, id + 1, ..., id + n - 1 (the returned id is
+        the first; `RequestOutput.sample_index` says which sample each is), whose prompt's
+        full pages are computed once and shared (`v4kv_jax.serve.scheduler`).
 
         Args:
           prompt_ids: 1-D token ids in [0, vocab_size), at least one.
@@ -269,6 +275,9 @@ class Engine(ModelCache):
             (`v4kv_jax.serve.sampling.SamplingParams`): the sampling filters, its own stream (the
             same prompt and seed give the same tokens whatever else runs), token ids and
             token-id sequences that end it ("stop", the stop tokens kept in the output).
+          n, logprobs, repetition_penalty, presence_penalty, frequency_penalty: samples of
+            the prompt, the log-probabilities in the output (each token's and the top
+            `logprobs`), the penalties (`SamplingParams`).
 
         Raises:
           TypeError / ValueError naming the argument (`request.check_request`): a prompt
@@ -279,7 +288,9 @@ class Engine(ModelCache):
         self._check_usable()
         return self.scheduler.submit("prompt_ids", prompt_ids, max_new_tokens, cache_salt, dict(
             temperature=temperature, eos_id=eos_id, top_k=top_k, top_p=top_p, min_p=min_p,
-            seed=seed, stop_token_ids=stop_token_ids, stop=stop))
+            seed=seed, stop_token_ids=stop_token_ids, stop=stop, n=n, logprobs=logprobs,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty))
 
     def abort(self, request_id: int) -> RequestOutput:
         """Ends a queued or running request now; returns what it generated ("aborted")."""
@@ -303,10 +314,13 @@ class Engine(ModelCache):
                  eos_id: int | None = None, cache_salt: str | bytes | None = None,
                  top_k: int | None = 0, top_p: float = 1.0, min_p: float = 0.0,
                  seed: int | None = None, stop_token_ids: Sequence[int] = (),
-                 stop: Sequence[Sequence[int]] = (), stream: bool = False
+                 stop: Sequence[Sequence[int]] = (), n: int = 1, logprobs: int | None = None,
+                 repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, stream: bool = False
                  ) -> list[RequestOutput] | Iterator[list[StreamOutput]]:
         """Runs `prompts` to completion (steps shared with any request already in flight,
-        whose outputs come back from the next `step()`); returns their outputs in order.
+        whose outputs come back from the next `step()`); returns their outputs in order,
+        n per prompt (output b * n + j: sample j of prompt b).
 
         The options are `add_request`'s, the same for every prompt (with a `seed`, every
         prompt draws from PRNGKey(seed), so equal prompts give equal tokens). Every prompt
@@ -316,9 +330,10 @@ class Engine(ModelCache):
         With `stream`, returns an iterator instead, whose every item is one step: a list of
         `StreamOutput`s, one for each of these prompts that drew tokens or finished in that
         step (request id, index in `prompts`, `new_tokens`, `finished`, `finish_reason` and
-        the `RequestOutput` once finished). A prompt's streamed tokens, concatenated, are its
-        output's tokens. Steps run as the iterator is consumed; closing it early aborts the
-        prompts still in flight.
+        the `RequestOutput` once finished; `sample_index`, and the new tokens' `logprobs`
+        and `top_logprobs` with the `logprobs` option). A sample's streamed tokens,
+        concatenated, are its output's tokens. Steps run as the iterator is consumed;
+        closing it early aborts the prompts still in flight.
         """
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
             checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
@@ -327,19 +342,24 @@ class Engine(ModelCache):
         if not isinstance(stream, bool):
             checks.fail("stream", "a bool", repr(stream), TypeError)
         options = dict(temperature=temperature, eos_id=eos_id, top_k=top_k, top_p=top_p,
-                       min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, stop=stop)
-        ids = []
+                       min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, stop=stop, n=n,
+                       logprobs=logprobs, repetition_penalty=repetition_penalty,
+                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
+        ids, index = [], []
         self._check_usable()
         try:
             for i, p in enumerate(prompts):
-                ids.append(self.scheduler.submit(f"prompts[{i}]", p, max_new_tokens, cache_salt,
-                                                 options))
+                first = self.scheduler.submit(f"prompts[{i}]", p, max_new_tokens, cache_salt,
+                                              options)
+                samples = range(first, first + SamplingParams(**options).n)
+                ids += samples
+                index += [i] * len(samples)
         except BaseException:
             for r in ids:  # all or nothing: the prompts queued before the bad one leave
                 self.abort(r)
             raise
         if stream:
-            return _stream(self, ids)
+            return _stream(self, ids, index, with_logprobs=logprobs is not None)
         done: dict[int, RequestOutput] = {}
         while len(done) < len(ids):
             done.update((o.request_id, o) for o in self._step_for(ids))
@@ -474,10 +494,12 @@ def fingerprint(model: Decoder, geometry: CacheConfig, options: Options, params)
         f"hca_tail={g.hca_tail}", repr(model.config), repr(options), prefix.tree_digest(params))
 
 
-def _stream(engine: Engine, ids: list[int]) -> Iterator[list[StreamOutput]]:
-    """`Engine.generate(..., stream=True)` of the requests `ids`."""
+def _stream(engine: Engine, ids: list[int], prompt_of: list[int], *, with_logprobs: bool
+            ) -> Iterator[list[StreamOutput]]:
+    """`Engine.generate(..., stream=True)` of the requests `ids` (of the prompts
+    `prompt_of`), with their tokens' logprobs when they ask for them."""
     sent = dict.fromkeys(ids, 0)
-    index = {r: i for i, r in enumerate(ids)}
+    index = dict(zip(ids, prompt_of, strict=True))
     requests = engine.scheduler.requests
     try:
         while sent:
@@ -488,15 +510,21 @@ def _stream(engine: Engine, ids: list[int]) -> Iterator[list[StreamOutput]]:
                 if out is None and r not in requests:  # aborted by the caller
                     del sent[r]
                     continue
+                source = out if out is not None else requests[r]
                 tokens = out.tokens if out is not None else requests[r].generated
-                new = list(tokens[sent[r]:])
+                new, start = list(tokens[sent[r]:]), sent[r]
                 sent[r] = len(tokens)
                 if out is not None:
                     del sent[r]
                 if new or out is not None:
+                    scores = {}
+                    if with_logprobs:
+                        scores = dict(logprobs=list(source.logprobs[start:]),
+                                      top_logprobs=list(source.top_logprobs[start:]))
                     events.append(StreamOutput(
                         index=index[r], request_id=r, new_tokens=new, finished=out is not None,
-                        finish_reason=None if out is None else out.finish_reason, output=out))
+                        finish_reason=None if out is None else out.finish_reason, output=out,
+                        sample_index=source.sample_index, **scores))
             yield events
     finally:
         if sent and engine._broken is None and not engine._closed:

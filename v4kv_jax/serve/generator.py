@@ -43,7 +43,14 @@ from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
 from v4kv_jax.serve.manager import SlotCache, SlotFlaggedError, slot_tables
 from v4kv_jax.serve.request import Completion, check_prompt
-from v4kv_jax.serve.sampling import SamplingParams, row_keys, sample
+from v4kv_jax.serve.sampling import (
+    SamplingParams,
+    penalize,
+    row_keys,
+    sample,
+    sample_stream,
+    token_logprobs,
+)
 
 STOP_IDS = 16  # the Generator's stop buffer per row: eos_id and stop_token_ids
 
@@ -52,80 +59,137 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
               cache: Cache,
               slot_ids: jax.Array, prompts: jax.Array, prompt_lengths: jax.Array,
               keys: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-              min_p: jax.Array, stop_ids: jax.Array, limit: jax.Array):
+              min_p: jax.Array, repetition: jax.Array, presence: jax.Array,
+              frequency: jax.Array, fork_from: jax.Array, split: jax.Array, stop_ids: jax.Array,
+              limit: jax.Array):
     """Row b prefills prompts[b, :prompt_lengths[b]] into slot_ids[b] (an empty slot), then
     decodes up to `limit` tokens (<= max_new_tokens), until it draws one of stop_ids[b] (-1
     pads); a row of length 0 (slot id -1) appends and reads nothing. Token i of row b is drawn
-    with fold_in(keys[b], i) and the row's sampling options (`sampling.sample`)."""
+    with fold_in(keys[b], i) from the logits with the row's penalties (`sampling.penalize`:
+    its prompt's tokens and the counts of its tokens so far, i32[B, V] carried by the loop)
+    and its sampling options (`sampling.sample`). Returns (cache, tokens i32[B, T], their
+    log-probabilities f32[B, T], the top ids i32[B, T, K] and log-probabilities f32[B, T, K]
+    of each step, `sampling.token_logprobs`).
+
+    A row with fork_from[b] = l >= 0 takes row l's first split[b] tokens instead of
+    computing them (split[b]: a multiple of page_tokens, = split[l]): row l (fork_from -1)
+    prefills its first split[l] tokens, then row b attaches those full pages of row l's slot
+    (refcount + 1, one copy) and restores row l's State, and both prefill the rest."""
     model = nnx.merge(graphdef, params)
     batch, buffer = prompts.shape
     rows = jnp.arange(batch)
+    V = model.config.vocab_size
+    at = jnp.where(jnp.arange(buffer)[None] < prompt_lengths[:, None], prompts, V)
+    in_prompt = jnp.zeros((batch, V), bool).at[rows[:, None], at].set(True, mode="drop")
 
-    def prefill(i, carry):
-        cache, last = carry
-        start = i * prefill_chunk
-        chunk = jax.lax.dynamic_slice_in_dim(prompts, start, prefill_chunk, axis=1)
-        n_new = jnp.clip(prompt_lengths - start, 0, prefill_chunk)
-        cache, h = model.hidden(chunk, cache, slot_ids, n_new, options=options)
-        at = prompt_lengths - 1 - start
-        here = (at >= 0) & (at < prefill_chunk)
-        last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
-        return cache, last
+    def prefill(cache, last, begin, end):
+        """Prefills prompts[b, begin[b]:end[b]] of every row, in chunks from begin."""
+        def chunk(i, carry):
+            cache, last = carry
+            start = begin + i * prefill_chunk
+            at = jnp.clip(start[:, None] + jnp.arange(prefill_chunk)[None], 0, buffer - 1)
+            n_new = jnp.clip(end - start, 0, prefill_chunk)
+            cache, h = model.hidden(jnp.take_along_axis(prompts, at, axis=1), cache, slot_ids,
+                                    n_new, options=options)
+            at = end - 1 - start
+            here = (at >= 0) & (at < prefill_chunk)
+            last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
+            return cache, last
 
-    def draw(logits, i):
-        return sample(logits, row_keys(keys, i), temperature, top_k, top_p, min_p)
+        trips = (jnp.max(end - begin) + prefill_chunk - 1) // prefill_chunk
+        return jax.lax.fori_loop(0, trips, chunk, (cache, last))
+
+    def fork(b, cache):
+        """Row b takes the pages and State of row fork_from[b] at split[b] (none: -1)."""
+        src = slot_ids[jnp.maximum(fork_from[b], 0)]
+        dst = jnp.where(fork_from[b] >= 0, slot_ids[b], -1)
+        state = pools.snapshot_state(cache, src)
+        cache = pools.attach_prefix(cache, dst, pools.page_table(cache)[src],
+                                    split[b] // cache.geometry.page_tokens)
+        return pools.restore_state(cache, dst, state)
+
+    def draw(logits, i, counts, drawing):
+        """(tokens, -1 where not `drawing`; their log-probabilities and top ones; counts)."""
+        penalized = penalize(logits, counts, in_prompt, repetition, presence, frequency)
+        token = jnp.where(drawing, sample(penalized, row_keys(keys, i), temperature, top_k,
+                                          top_p, min_p), -1)
+        counts = counts.at[rows, jnp.where(drawing, token, V)].add(1, mode="drop")
+        return token, token_logprobs(logits, token), counts
 
     def stops(token):
         return jnp.any(token[:, None] == stop_ids, axis=1)
 
-    trips = (jnp.max(prompt_lengths) + prefill_chunk - 1) // prefill_chunk
     last = jnp.zeros((batch, model.config.attn_config.hidden_size), jnp.float32)
-    cache, last = jax.lax.fori_loop(0, trips, prefill, (cache, last))
+    start = jnp.zeros_like(split)
+    cache, last = prefill(cache, last, start, jnp.where(fork_from < 0, split, 0))
+    cache = jax.lax.cond(jnp.any(fork_from >= 0),
+                         lambda c: jax.lax.fori_loop(0, batch, fork, c), lambda c: c, cache)
+    cache, last = prefill(cache, last, split, prompt_lengths)
 
     active = prompt_lengths > 0
-    token = jnp.where(active, draw(model.logits(last), 0), -1)
-    out = jnp.full((batch, max_new_tokens), -1, jnp.int32).at[:, 0].set(token)
+    token, scores, counts = draw(model.logits(last), 0, jnp.zeros((batch, V), jnp.int32),
+                                 active)
+    K = scores[1].shape[-1]
+    out = (jnp.full((batch, max_new_tokens), -1, jnp.int32),
+           jnp.full((batch, max_new_tokens), jnp.nan, jnp.float32),
+           jnp.full((batch, max_new_tokens, K), -1, jnp.int32),
+           jnp.full((batch, max_new_tokens, K), jnp.nan, jnp.float32))
+
+    def put(out, i, token, scores):
+        return tuple(o.at[:, i].set(v) for o, v in zip(out, (token, *scores), strict=True))
+
+    out = put(out, 0, token, scores)
     done = ~active | stops(token)
 
     def cond(state):
-        i, _, _, done, _ = state
+        i, _, _, done, _, _ = state
         return (i < limit) & ~jnp.all(done)
 
     def decode(state):
-        i, cache, token, done, out = state
+        i, cache, token, done, counts, out = state
         cache, h = model.hidden(jnp.maximum(token, 0)[:, None], cache, slot_ids,
                                 (~done).astype(jnp.int32))
-        nxt = jnp.where(done, -1, draw(model.logits(h[:, 0]), i))
-        out = out.at[:, i].set(nxt)
-        return i + 1, cache, nxt, done | stops(nxt), out
+        nxt, scores, counts = draw(model.logits(h[:, 0]), i, counts, ~done)
+        return i + 1, cache, nxt, done | stops(nxt), counts, put(out, i, nxt, scores)
 
-    _, cache, _, _, out = jax.lax.while_loop(
-        cond, decode, (jnp.int32(1), cache, token, done, out))
-    return cache, out
+    _, cache, _, _, _, out = jax.lax.while_loop(
+        cond, decode, (jnp.int32(1), cache, token, done, counts, out))
+    return (cache, *out)
 
 
 def _generate_on_mesh(mesh, body, params, cache: Cache, *args):
     """`body` (`_generate` with its statics) per shard of `mesh`: the rows (and their keys
     and options) are the shards' rows end to end; params and the limit are replicated."""
     rows, one = meshes.P(meshes.DATA), meshes.P()
-    return meshes.shard_program(body, mesh, (one, meshes.CACHE) + (rows,) * 9 + (one,),
-                                (meshes.CACHE, rows))(params, cache, *args)
+    return meshes.shard_program(body, mesh, (one, meshes.CACHE) + (rows,) * 14 + (one,),
+                                (meshes.CACHE,) + (rows,) * 4)(params, cache, *args)
 
 
 @dataclasses.dataclass
 class GenerationResult:
-    """tokens: i32[B, max_new_tokens] (-1 after a row's last token); lengths: i32[B] tokens
-    generated per row (up to and including `eos_id`, a stop token or a stop sequence);
-    finish_reasons: per row, "eos", "stop" or "length"; prompt_ids: the prompts.
+    """One row per sample: row b * n + j is sample j of prompt b (n = 1: row b is prompt b).
 
-    Indexing or iterating gives one `Completion` per prompt (prompt_ids, tokens as a list,
-    finish_reason): the fields of the Engine's `RequestOutput` that every generation has.
+    tokens: i32[rows, max_new_tokens] (-1 after a row's last token); lengths: i32[rows]
+    tokens generated per row (up to and including `eos_id`, a stop token or a stop
+    sequence); finish_reasons: per row, "eos", "stop" or "length"; prompt_ids: each row's
+    prompt; n: samples per prompt; with the `logprobs=k` option, logprobs: f32[rows,
+    max_new_tokens], each token's log-probability (NaN after a row's last token), top_ids,
+    top_logprobs: i32/f32[rows, max_new_tokens, k], the k most likely tokens of each step,
+    most likely first (else None).
+
+    Indexing or iterating gives one `Completion` per row (prompt_ids, tokens as a list,
+    finish_reason, sample_index, logprobs, top_logprobs): the fields of the Engine's
+    `RequestOutput` that every generation has.
     """
 
     tokens: np.ndarray
     lengths: np.ndarray
     finish_reasons: list[str] = dataclasses.field(default_factory=list)
     prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    n: int = 1
+    logprobs: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
 
     def as_lists(self) -> list[list[int]]:
         return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
@@ -134,9 +198,15 @@ class GenerationResult:
         return len(self.lengths)
 
     def __getitem__(self, b: int) -> Completion:
-        return Completion(prompt_ids=self.prompt_ids[b],
-                          tokens=self.tokens[b, :self.lengths[b]].tolist(),
-                          finish_reason=self.finish_reasons[b])
+        n = self.lengths[b]
+        scores = {}
+        if self.logprobs is not None:
+            scores = dict(logprobs=self.logprobs[b, :n].tolist(), top_logprobs=[
+                list(zip(ids.tolist(), lp.tolist(), strict=True))
+                for ids, lp in zip(self.top_ids[b, :n], self.top_logprobs[b, :n], strict=True)])
+        return Completion(prompt_ids=self.prompt_ids[b], tokens=self.tokens[b, :n].tolist(),
+                          finish_reason=self.finish_reasons[b], sample_index=b % self.n,
+                          **scores)
 
     def __iter__(self):
         return (self[b] for b in range(len(self)))
@@ -263,20 +333,25 @@ class Generator(ModelCache):
                         np.zeros((batch, self.buffer), np.int32), np.zeros((batch,), np.int32),
                         self._row_streams, np.zeros((batch,), np.float32),
                         np.zeros((batch,), np.int32), np.ones((batch,), np.float32),
-                        np.zeros((batch,), np.float32), np.full((batch, STOP_IDS), -1, np.int32),
-                        limit=1)
+                        np.zeros((batch,), np.float32), np.ones((batch,), np.float32),
+                        np.zeros((batch,), np.float32), np.zeros((batch,), np.float32),
+                        np.full((batch,), -1, np.int32), np.zeros((batch,), np.int32),
+                        np.full((batch, STOP_IDS), -1, np.int32), limit=1)
         self._caches()
-        meshes.fetch(out)
+        for x in out:
+            meshes.fetch(x)
         return time.perf_counter() - start
 
     def _caches(self) -> dict[int, Cache]:
         """shard index -> its cache, for this process's shards."""
         return {0: self.cache} if self.mesh is None else meshes.split(self.cache, self.mesh)
 
-    def _run(self, caches: dict[int, Cache], *rows: np.ndarray, limit: int) -> jax.Array:
+    def _run(self, caches: dict[int, Cache], *rows: np.ndarray, limit: int
+             ) -> tuple[jax.Array, ...]:
         """Runs the program on the shards' caches and the host arrays of every row
         (`_generate`'s arguments from slot_ids to stop_ids), up to `limit` tokens; the new
-        cache is `cache`. Returns the tokens (on the device)."""
+        cache is `cache`. Returns the tokens, their log-probabilities and the top ones (on
+        the device; `_generate`)."""
         if self.mesh is None:
             cache = caches[0]
             args = tuple(jnp.asarray(a) for a in rows) + (jnp.int32(limit),)
@@ -284,20 +359,26 @@ class Generator(ModelCache):
             cache = meshes.assemble(caches, self.mesh)
             args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in rows) + (
                 meshes.put(np.int32(limit), meshes.replicated(self.mesh)),)
-        self.cache, out = self._program(self.params, cache, *args)
-        return out
+        self.cache, *out = self._program(self.params, cache, *args)
+        return tuple(out)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, *,
                  temperature: float = 0.0, top_k: int | None = 0, top_p: float = 1.0,
                  min_p: float = 0.0, seed: int | None = None, eos_id: int | None = None,
-                 stop_token_ids: Sequence[int] = (), stop: Sequence[Sequence[int]] = ()
+                 stop_token_ids: Sequence[int] = (), stop: Sequence[Sequence[int]] = (),
+                 n: int = 1, logprobs: int | None = None, repetition_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0
                  ) -> GenerationResult:
         """Generates for up to `max_slots` prompts of 1..max_prompt_len tokens each, with the
         arguments of `Engine.generate` (the options of `v4kv_jax.serve.sampling.SamplingParams`,
         the same for every prompt of the call).
 
-        The prompts are the requests 0..len(prompts)-1 of the generator's `SlotTable` (the
-        previous call's requests are released first) and stay admitted until the next call.
+        Each of the n samples of a prompt is a row (row b * n + j: sample j of prompt b; at
+        most `max_slots` rows): the requests 0..rows-1 of the generator's `SlotTable` (the
+        previous call's requests are released first), which stay admitted until the next
+        call. The samples of a prompt on one shard compute its full pages before its last
+        token once: sample 0's row prefills them, the others attach them (one copy,
+        refcounted) and take its State there, then every row prefills the rest.
 
         Args:
           prompts: token ids per prompt.
@@ -305,19 +386,23 @@ class Generator(ModelCache):
             the constructor's); fewer for a row that stops. Any value runs the same program.
           temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
           top_k, top_p, min_p: the sampling filters (off: 0, 1.0, 0.0).
-          seed: an int: every row draws from PRNGKey(seed) (a prompt gives the same tokens
-            as in the Engine with the same seed, alone or in any batch); None: row b from
-            PRNGKey(0) folded with b.
+          seed: an int: sample j of every prompt draws from
+            `sampling.sample_stream(PRNGKey(seed), j)` (a prompt gives the same tokens as in
+            the Engine with the same seed, alone or in any batch); None: row r from
+            PRNGKey(0) folded with r.
           eos_id: a token id in [0, vocab_size) that ends a row (included in its output).
           stop_token_ids: more token ids that end a row (eos_id and these: at most
             `STOP_IDS`, checked on the device).
           stop: token-id sequences that end a row: applied on the host to the output (the
             row is cut after the first stop sequence its tokens complete; the device decodes
             on until the row's other ends, so a stop sequence saves no compute here).
+          n: samples per prompt (len(prompts) * n rows at most).
+          logprobs, repetition_penalty, presence_penalty, frequency_penalty: see
+            `SamplingParams` (the penalties count each row's own tokens).
 
         Returns:
-          A `GenerationResult`: arrays of every row, and a `Completion` per prompt
-          (`result[b]`, or iterate) with its finish reason.
+          A `GenerationResult`: arrays of every row, and a `Completion` per row
+          (`result[r]`, or iterate) with its finish reason, sample index and logprobs.
 
         Raises:
           TypeError / ValueError naming the argument for bad prompts (not integer token ids,
@@ -338,7 +423,15 @@ class Generator(ModelCache):
             "max_new_tokens", max_new_tokens, lo=1, hi=self.max_new_tokens)
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 seed=seed, eos_id=eos_id, stop_token_ids=stop_token_ids,
-                                stop=stop)
+                                stop=stop, n=n, logprobs=logprobs,
+                                repetition_penalty=repetition_penalty,
+                                presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty)
+        n, count = params.n, len(prompts) * params.n
+        if count > batch:
+            checks.fail("n", f"at most {batch // len(prompts)} for {len(prompts)} prompts "
+                        f"(len(prompts) * n <= {batch} rows: max_slots"
+                        + ("" if self.mesh is None else " x mesh devices") + ")", n)
         V = self.config.vocab_size
         params.check_vocab(V)
         stop_ids = ([] if eos_id is None else [params.eos_id]) + list(params.stop_token_ids)
@@ -353,45 +446,59 @@ class Generator(ModelCache):
             if p.size > self.max_prompt_len:
                 checks.fail(f"prompts[{b}]", f"1 to {self.max_prompt_len} tokens "
                             "(max_prompt_len)", f"{p.size} tokens")
-            buf[b, :p.size] = p
-            lengths[b] = p.size
-            prompt_ids.append(p.tolist())
+            buf[b * n:(b + 1) * n, :p.size] = p
+            lengths[b * n:(b + 1) * n] = p.size
+            prompt_ids += [p.tolist()] * n
         S = self.geometry.max_slots
         caches = self._caches()
         slot_ids = np.full((batch,), -1, np.int32)
         for i, table in self.tables.items():  # prompt b on shard b // S
             cache = table.release_all(caches[i])
-            for b in range(i * S, min((i + 1) * S, len(prompts))):
+            for b in range(i * S, min((i + 1) * S, count)):
                 cache, slot_ids[b] = table.admit(cache, b)
             caches[i] = cache
-        slot_ids[:len(prompts)] = np.arange(len(prompts)) % S  # every process's rows
-        keys = (self._row_streams if params.seed is None else
-                np.broadcast_to(np.asarray(jax.random.PRNGKey(params.seed)), (batch, 2)))
+        slot_ids[:count] = np.arange(count) % S  # every process's rows
+        if params.seed is None:
+            keys = self._row_streams
+        else:
+            seeded = jax.random.PRNGKey(params.seed)
+            keys = np.zeros((batch, 2), np.uint32)
+            keys[:count] = [sample_stream(seeded, r % n) for r in range(count)]
         stops = np.full((batch, STOP_IDS), -1, np.int32)
         stops[:, :len(stop_ids)] = stop_ids
+        full = lambda value, dtype: np.full((batch,), value, dtype)  # noqa: E731
+        fork_from, split = full(-1, np.int32), full(0, np.int32)
+        P = self.geometry.page_tokens
+        for r in range(count):  # sample j > 0 takes sample 0's pages, on the same shard
+            lead = r - r % n
+            if r != lead and r // S == lead // S and lengths[r] > P:
+                fork_from[r], split[r] = lead % S, (lengths[r] - 1) // P * P
+                split[lead] = split[r]
         out = self._run(caches, slot_ids, buf, lengths, np.asarray(keys),
-                        np.full((batch,), params.temperature, np.float32),
-                        np.full((batch,), params.top_k, np.int32),
-                        np.full((batch,), params.top_p, np.float32),
-                        np.full((batch,), params.min_p, np.float32), stops, limit=limit)
-        wanted = {b: int(lengths[b]) + limit - 1 for b in range(len(prompts))}
+                        full(params.temperature, np.float32), full(params.top_k, np.int32),
+                        full(params.top_p, np.float32), full(params.min_p, np.float32),
+                        full(params.repetition_penalty, np.float32),
+                        full(params.presence_penalty, np.float32),
+                        full(params.frequency_penalty, np.float32), fork_from, split, stops,
+                        limit=limit)
+        wanted = {b: int(lengths[b]) + limit - 1 for b in range(count)}
         error = None
         caches = self._caches()
         for i, table in self.tables.items():
-            mine = [b for b in table if b < len(prompts)]
+            mine = [b for b in table if b < count]
             error = error or table.flag_error(caches[i], mine, wanted, noun="prompt")
-        out = np.array(meshes.fetch(out)[:len(prompts)])
+        out, chosen, top_ids, top_lp = (np.array(meshes.fetch(x)[:count]) for x in out)
         if self.mesh is not None and meshes.any_process(error is not None) and error is None:
-            status = meshes.fetch(pools.status(self.cache))  # prompt b's row is b
+            status = meshes.fetch(pools.status(self.cache))  # row b's row is b
             error = SlotFlaggedError({b: SlotStatus(int(status[b])).name
-                                      for b in range(len(prompts))
+                                      for b in range(count)
                                       if status[b] not in (SlotStatus.ACTIVE, SlotStatus.FREE)},
                                      noun="prompt")
         if error is not None:
             raise error
         made = np.sum(out >= 0, axis=1).astype(np.int32)
         reasons = []
-        for b in range(len(prompts)):
+        for b in range(count):
             row, reason = out[b, :made[b]].tolist(), None
             ends = range(1, len(row) + 1) if params.stop else [len(row)]
             for n in ends:  # the first end: the device's, or a stop sequence's
@@ -401,8 +508,14 @@ class Generator(ModelCache):
                     break
             reasons.append(reason or "length")
             out[b, made[b]:] = -1
+            chosen[b, made[b]:], top_lp[b, made[b]:], top_ids[b, made[b]:] = np.nan, np.nan, -1
+        scores = {}
+        if params.logprobs is not None:
+            k = params.logprobs
+            scores = dict(logprobs=chosen, top_ids=top_ids[..., :k],
+                          top_logprobs=top_lp[..., :k])
         return GenerationResult(tokens=out, lengths=made, finish_reasons=reasons,
-                                prompt_ids=prompt_ids)
+                                prompt_ids=prompt_ids, n=n, **scores)
 
 
 def _forward_body(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,

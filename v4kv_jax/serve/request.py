@@ -32,11 +32,20 @@ class Completion:
         last token of a stop sequence).
       finish_reason: "eos" (`eos_id`), "stop" (a stop token id or stop sequence), "length"
         (max_new_tokens reached) or "aborted" (the Engine's `abort`).
+      sample_index: which of the prompt's `n` samples this is (0 to n - 1).
+      logprobs: with the `logprobs` option, each token's log-probability under the model
+        (log_softmax of its logits, before penalties, temperature and filters), else None.
+      top_logprobs: with `logprobs=k`, per token the k most likely tokens as (token id,
+        log-probability), most likely first (empty lists for k = 0), else None.
     """
 
     prompt_ids: list[int]
     tokens: list[int]
     finish_reason: str
+    sample_index: int = dataclasses.field(default=0, kw_only=True)
+    logprobs: list[float] | None = dataclasses.field(default=None, kw_only=True)
+    top_logprobs: list[list[tuple[int, float]]] | None = dataclasses.field(default=None,
+                                                                            kw_only=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +130,9 @@ class StreamOutput:
       finished: whether the request ended in this step.
       finish_reason: its finish reason once finished, else None.
       output: its `RequestOutput` once finished, else None.
+      sample_index: which of the prompt's `n` samples the request is.
+      logprobs, top_logprobs: with the `logprobs` option, those of `new_tokens` (as in
+        `Completion`), else None.
     """
 
     index: int
@@ -129,6 +141,9 @@ class StreamOutput:
     finished: bool
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    sample_index: int = 0
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class EngineError(RuntimeError):
@@ -176,6 +191,11 @@ class Request:
     digests: list[bytes] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)
+    sample_index: int = 0  # which of its prompt's n samples it is
+    first_sample: int | None = None  # sample 0's request id, for the samples j > 0
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    penalty_row: bool = False  # its row of the step's penalty counts is set
     cached: int = 0
     replayed: int = 0
     restored_by: str = "none"
@@ -257,11 +277,16 @@ def finished_output(req: Request, reason: str, *, keep_logits: bool,
         logits = np.stack(req.logits)
     else:
         logits = np.zeros((0, vocab_size), np.float32)
+    scores = {}
+    if req.sampling.logprobs is not None:
+        scores = dict(logprobs=list(req.logprobs),
+                      top_logprobs=[list(top) for top in req.top_logprobs])
     return RequestOutput(
         request_id=req.id, prompt_ids=req.prompt.tolist(), tokens=list(req.generated),
         finish_reason=reason, cached_tokens=req.cached, replayed_tokens=req.replayed,
         restored_by=req.restored_by, snapshot_tier=req.snapshot_tier,
-        cached_from=dict(req.cached_from), logits=logits, metrics=metrics)
+        cached_from=dict(req.cached_from), logits=logits, metrics=metrics,
+        sample_index=req.sample_index, **scores)
 
 
 class ServingMetrics:

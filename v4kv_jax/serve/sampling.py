@@ -13,6 +13,19 @@ mix of options:
   min_p        f32[B]     keep the logits whose probability is at least min_p times the
                           largest one's (0 = off)
 
+and, for the penalties (`penalize`, before temperature and filters), per row the counts of
+each token among the generated ones, i32[B, V], and whether it is in the prompt, bool[B, V]
+(fixed shapes: a row without penalties has repetition 1 and presence, frequency 0):
+
+  repetition   f32[B]     a logit of a token seen in the prompt or the output is divided
+                          by it where positive, multiplied by it where not (1 = off)
+  presence     f32[B]     subtracted once from the logit of every token generated so far
+  frequency    f32[B]     subtracted from a logit as many times as the token was generated
+
+`token_logprobs` gives each row's log-probability of its drawn token and its `MAX_LOGPROBS` most
+likely tokens with theirs, from the model's distribution (log_softmax of the logits, before
+penalties, temperature and filters); a request keeps the first `logprobs` of them.
+
 `sample` sorts each row once when any row filters (`lax.cond`: rows that do not filter draw
 exactly as without filters), finds the smallest logit each filter keeps in the sorted row,
 and masks with `jnp.where`. The filters apply in that order: top_k, then top_p on what top_k
@@ -36,6 +49,8 @@ import numpy as np
 from v4kv_jax import checks
 
 SEED_BOUND = 2**32  # PRNGKey takes seeds in [0, 2**32)
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for per token
+SAMPLE_STREAMS = 2**31  # sample j > 0 of a request: its stream folded with this + j
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +70,12 @@ class SamplingParams:
       stop: token-id sequences that end the request once the generated tokens end with one
         (finish reason "stop"; it may span several steps). The output keeps the tokens up to
         and including the stop token or sequence, as for `eos_id`.
+      n: samples of the prompt (>= 1), each its own output with its own stream
+        (`sample_stream`).
+      logprobs: None: none; k in [0, MAX_LOGPROBS]: each generated token's log-probability
+        and the k most likely tokens' (token id, log-probability), most likely first.
+      repetition_penalty: > 0; 1: off (see the module docstring).
+      presence_penalty, frequency_penalty: reals (0: off; negative ones favour repeats).
     """
 
     temperature: float = 0.0
@@ -65,6 +86,11 @@ class SamplingParams:
     eos_id: int | None = None
     stop_token_ids: Sequence[int] = ()
     stop: Sequence[Sequence[int]] = ()
+    n: int = 1
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         put = _setter(self)
@@ -84,14 +110,30 @@ class SamplingParams:
             if not s:
                 checks.fail(f"stop[{i}]", "at least one token id", "an empty sequence")
         put("stop", stop)
+        put("n", checks.integer("n", self.n, lo=1))
+        if self.logprobs is not None:
+            put("logprobs", checks.integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS))
+        put("repetition_penalty", checks.real("repetition_penalty", self.repetition_penalty,
+                                              lo=0.0, lo_open=True))
+        put("presence_penalty", checks.real("presence_penalty", self.presence_penalty))
+        put("frequency_penalty", checks.real("frequency_penalty", self.frequency_penalty))
 
     @property
     def filters(self) -> bool:
         """Whether top_k, top_p or min_p removes any token."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether a repetition, presence or frequency penalty is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     def check_vocab(self, vocab_size: int) -> None:
-        """Every token id of the options is in [0, vocab_size)."""
+        """Every token id of the options is in [0, vocab_size), and `logprobs` at most
+        vocab_size."""
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            checks.fail("logprobs", f"at most {vocab_size} (vocab_size)", self.logprobs)
         ids = [("eos_id", self.eos_id)] if self.eos_id is not None else []
         ids += [(f"stop_token_ids[{i}]", t) for i, t in enumerate(self.stop_token_ids)]
         ids += [(f"stop[{i}][{j}]", t) for i, s in enumerate(self.stop) for j, t in enumerate(s)]
@@ -131,6 +173,40 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
 def stream_key(seed: int) -> np.ndarray:
     """u32[2]: the stream of a request with an int `seed` (PRNGKey(seed))."""
     return np.asarray(jax.random.PRNGKey(seed))
+
+
+def sample_stream(key: np.ndarray, j: int) -> np.ndarray:
+    """u32[2]: the stream of sample j of a request whose stream is `key` (sample 0: `key`;
+    sample j > 0: fold_in(key, SAMPLE_STREAMS + j), apart from every token's key)."""
+    if j == 0:
+        return np.asarray(key)
+    return np.asarray(jax.random.fold_in(jnp.asarray(key), SAMPLE_STREAMS + j))
+
+
+def penalize(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array,
+             repetition: jax.Array, presence: jax.Array, frequency: jax.Array) -> jax.Array:
+    """f32[B, V]: the logits with each row's penalties (see the module docstring).
+
+    Args:
+      logits: f32[B, V].
+      counts: i32[B, V], how many times each token was generated in the row.
+      in_prompt: bool[B, V], the tokens of the row's prompt.
+      repetition, presence, frequency: f32[B].
+    """
+    seen = in_prompt | (counts > 0)
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - presence[:, None] * (counts > 0)
+            - frequency[:, None] * counts.astype(jnp.float32))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(f32[B] the log-probability of tokens[b], i32[B, K] the K = min(MAX_LOGPROBS, V) most
+    likely tokens, f32[B, K] theirs, most likely first) under log_softmax(logits)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    top, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, logits.shape[-1]))
+    chosen = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[:, None], axis=-1)[:, 0]
+    return chosen, ids.astype(jnp.int32), top
 
 
 def _sample_row(logits, key, temperature, top_k, top_p, min_p, filtered: bool):
@@ -181,4 +257,5 @@ def row_keys(keys: jax.Array, draw) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, draw)
 
 
-__all__ = ["SamplingParams", "row_keys", "sample", "stream_key"]
+__all__ = ["MAX_LOGPROBS", "SAMPLE_STREAMS", "SamplingParams", "penalize",
+           "row_keys", "sample", "sample_stream", "stream_key", "token_logprobs"]

@@ -9,6 +9,12 @@ pass it for up to `max_head_wait` steps; from then on admission waits for it (it
 as running requests free enough pages), so no request starves. A live request's pages are
 never evicted: admission reserves each running request's pages up to its full length.
 
+The `n` samples of a prompt are n requests of consecutive ids. Samples 1..n-1 of a prompt
+longer than a page wait in the queue (passing nothing, blocking nothing) until sample 0 has
+computed its prompt; they then hit its full pages, which the samples hold together (one copy,
+refcounted), and the snapshot of its State at the last of them, so each computes only the
+prompt's tokens past its last full page.
+
 Placement: among the shards with a free slot, the one holding the longest prefix of the
 prompt (on any tier), then the one with the fewest pages promised to its running requests,
 then the lowest index; the first that can hold the request takes it. Under
@@ -36,7 +42,7 @@ from v4kv_jax.serve.request import (
     check_request,
     finished_output,
 )
-from v4kv_jax.serve.sampling import stream_key
+from v4kv_jax.serve.sampling import sample_stream, stream_key
 from v4kv_jax.serve.shards import Shard, Shards
 
 # The fields of a Request that admission sets, sent by a shard's owner to the other processes.
@@ -86,20 +92,25 @@ class Scheduler:
     def submit(self, name: str, prompt_ids, max_new_tokens: int, cache_salt,
                options: dict) -> int:
         """Checks a request (`request.check_request`, the prompt called `name` in errors;
-        `options`: its `SamplingParams`'), queues it and returns its id. Its stream: its
-        `seed`'s, else the engine's seed folded with its id."""
+        `options`: its `SamplingParams`'), queues its `n` samples as requests of consecutive
+        ids and returns the first id. A sample's stream: with a `seed`,
+        `sampling.sample_stream(PRNGKey(seed), j)` for sample j; else the engine's seed
+        folded with its id."""
         arrival, compiled = time.perf_counter(), clock.compile_seconds()
         prompt, max_new_tokens, sampling, pages = check_request(
             name, prompt_ids, max_new_tokens, options, self.vocab_size, self.shards.geometry)
         namespace = prefix.salt_namespace(self.fingerprint, cache_salt)
-        request_id = next(self._ids)
-        key = (np.asarray(jax.random.fold_in(self._key, request_id)) if sampling.seed is None
-               else stream_key(sampling.seed))
-        self.requests[request_id] = Request(
-            request_id, prompt, max_new_tokens, sampling, key, namespace, prompt.tolist(),
-            pages, arrival=arrival, compiled=compiled)
-        self.queue.append(request_id)
-        return request_id
+        first = None
+        for j in range(sampling.n):
+            request_id = next(self._ids)
+            key = (np.asarray(jax.random.fold_in(self._key, request_id))
+                   if sampling.seed is None else sample_stream(stream_key(sampling.seed), j))
+            self.requests[request_id] = Request(
+                request_id, prompt, max_new_tokens, sampling, key, namespace, prompt.tolist(),
+                pages, arrival=arrival, compiled=compiled, sample_index=j, first_sample=first)
+            self.queue.append(request_id)
+            first = request_id if first is None else first
+        return first
 
     def warmup(self) -> None:
         """Runs jax's helpers that `submit` calls (a request's stream) once."""
@@ -174,6 +185,8 @@ class Scheduler:
             if len(self.running()) >= slots:
                 break  # no free slot on any shard
             req = self.requests[request_id]
+            if self._waits_for_first_sample(req):
+                continue
             if self.admit(req):
                 req.admitted_at = now
                 self.queue.remove(request_id)
@@ -183,6 +196,13 @@ class Scheduler:
                     break
         if head is not None:
             head.head_wait += 1
+
+    def _waits_for_first_sample(self, req: Request) -> bool:
+        """Whether `req`, a sample j > 0, waits for sample 0 to compute the prompt's full
+        pages (see the module docstring)."""
+        first = self.requests.get(req.first_sample)
+        return (first is not None and len(req.prompt) > self.shards.geometry.page_tokens
+                and first.phase() in ("waiting", "replay", "prefill"))
 
     def admit(self, req: Request) -> bool:
         """Admits `req` into a free slot with its prefix hit, if a shard's pool can hold it
