@@ -1,6 +1,6 @@
 """The token-aware engine: requests by token ids, continuous batching, prefix sharing.
 
-`Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
+`Engine` owns a served model's params, one cache and the requests. `add_request` queues a
 prompt with its options (`v4kv_jax.serve.sampling.SamplingParams`: temperature, top_k, top_p,
 min_p, seed, eos_id, stop token ids and sequences); each `step()` admits queued requests
 into free slots (`scheduler`: in order of arrival while the pool can hold each one's whole
@@ -43,11 +43,10 @@ from collections.abc import Iterator, Sequence
 from v4kv_jax import checks, prefix
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
-from v4kv_jax.nn.model import Decoder
 from v4kv_jax.pools import Cache
 from v4kv_jax.pools.paging import pages_for
 from v4kv_jax.prefix.cache import RESTORES, PrefixCache
-from v4kv_jax.serve import clock
+from v4kv_jax.serve import clock, protocol
 from v4kv_jax.serve.batch import StepBatch, StepProgram, compiled_step_programs
 from v4kv_jax.serve.generator import ModelCache
 from v4kv_jax.serve.manager import SlotTable
@@ -69,8 +68,9 @@ class Engine(ModelCache):
     """Continuous batching with prefix sharing over one cache; see the module docstring.
 
     Args:
-      model: the decoder (split once here: later changes to it are not seen; its weights
-        are hashed once, into the prefix keys).
+      model: a `v4kv_jax.serve.protocol.ServedModel` with its `replay`, e.g. a
+        `v4kv_jax.nn.Decoder` (split once here: later changes to it are not seen; its
+        weights are hashed once, into the prefix keys).
       geometry: the cache geometry (`max_slots` requests run at once).
       prefill_chunk: tokens per prefill row and step; divides page_tokens.
       token_budget: replay + prefill tokens per step and shard (decode tokens come on top);
@@ -117,7 +117,10 @@ class Engine(ModelCache):
       step_program: the `StepProgram` (the step's batch and program).
     """
 
-    def __init__(self, model: Decoder, geometry: CacheConfig, *, prefill_chunk: int = 128,
+    _replays = True
+
+    def __init__(self, model: protocol.ServedModel, geometry: CacheConfig, *,
+                 prefill_chunk: int = 128,
                  token_budget: int | None = None, snapshot_every_pages: int | None = None,
                  device_snapshots: int = 8, host_snapshots: int = 32,
                  host_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
@@ -135,11 +138,12 @@ class Engine(ModelCache):
         if snapshot_every_pages is not None:
             snapshot_every_pages = checks.integer("snapshot_every_pages", snapshot_every_pages,
                                                   lo=1)
-        self.fingerprint = fingerprint(model, geometry, self.options, self.params)
+        self.fingerprint = fingerprint(self.config.attn_config, self.graphdef, geometry,
+                                       self.options, self.params)
         self.scheduler = Scheduler(self.shards, max_head_wait=max_head_wait, seed=seed,
                                    fingerprint=self.fingerprint,
                                    vocab_size=self.config.vocab_size, keep_logits=keep_logits)
-        attn = model.config.attn_config
+        attn = self.config.attn_config
         self.replay_pages = pages_for(attn.num_layers * (attn.window - 1) + 1,
                                       geometry.page_tokens)
         self.shards.open_prefix_caches(
@@ -463,15 +467,16 @@ class Engine(ModelCache):
         return self.shards.report(self.stats)
 
 
-def fingerprint(model: Decoder, geometry: CacheConfig, options: Options, params) -> bytes:
-    """The namespace of an engine's prefix keys: its attention and model configs, the
-    geometry fields a page's contents depend on (not pool size, slots or chunking), the
-    options and the weights."""
+def fingerprint(attn_config: AttentionConfig, graphdef, geometry: CacheConfig,
+                options: Options, params) -> bytes:
+    """The namespace of an engine's prefix keys: its attention config, the model's structure
+    (its split graph or tree, static fields included), the geometry fields a page's contents
+    depend on (not pool size, slots or chunking), the options and the weights."""
     g = geometry
     return prefix.fingerprint(
-        repr(model.config.attn_config), f"page_tokens={g.page_tokens} entry={g.entry_dtype} "
+        repr(attn_config), f"page_tokens={g.page_tokens} entry={g.entry_dtype} "
         f"index={g.index_dtype} window={g.window_dtype} tail={g.tail_dtype} "
-        f"hca_tail={g.hca_tail}", repr(model.config), repr(options), prefix.tree_digest(params))
+        f"hca_tail={g.hca_tail}", repr(graphdef), repr(options), prefix.tree_digest(params))
 
 
 def _stream(engine: Engine, ids: list[int]) -> Iterator[list[StreamOutput]]:
