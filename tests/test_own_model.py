@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 import v4kv_jax as v4
 from v4kv_jax.serve import Generator, check_model
-from v4kv_jax.serve.engine import Engine
+from v4kv_jax.serve.engine import Engine, fingerprint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -159,3 +159,27 @@ def test_a_call_of_the_wrong_shape_is_named_when_traced(page):
                                          r"of shape \(2, 16, 65\)\); got logits of shape "
                                          r"\(2, 16, 64\)"):
         gen.generate([[1, 2]])
+
+
+class _Printed:
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def test_the_prefix_namespace_leaves_out_function_addresses(page):
+    """flax layers keep functions in their graph, printed with their address: the Engine's
+    prefix namespace leaves the address out, so an engine of the same model in another
+    process shares it (its disk tier), while the structure itself counts."""
+    graphdef, params = nnx.split(page["model"])
+    text = repr(graphdef)
+    assert " at 0x" in text
+    elsewhere = re.sub(r" at 0x[0-9a-fA-F]+", " at 0x1", text)
+
+    def namespace(structure: str) -> bytes:
+        return fingerprint(page["attention"], _Printed(structure), page["geometry"],
+                           v4.Options(), params)
+
+    assert namespace(elsewhere) == namespace(text) != namespace(text.replace("Block", "Blocks"))

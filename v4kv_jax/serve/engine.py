@@ -36,6 +36,7 @@ filesystem fault into a warning and a miss (`v4kv_jax.prefix.disk`).
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -473,10 +474,13 @@ def fingerprint(attn_config: AttentionConfig, graphdef, geometry: CacheConfig,
     (its split graph or tree, static fields included), the geometry fields a page's contents
     depend on (not pool size, slots or chunking), the options and the weights."""
     g = geometry
+    # Static functions in a graph (flax layers keep their initializers and dtype promotion)
+    # print with their address: without it, another process's engine gets the same namespace.
+    structure = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(graphdef))
     return prefix.fingerprint(
         repr(attn_config), f"page_tokens={g.page_tokens} entry={g.entry_dtype} "
         f"index={g.index_dtype} window={g.window_dtype} tail={g.tail_dtype} "
-        f"hca_tail={g.hca_tail}", repr(graphdef), repr(options), prefix.tree_digest(params))
+        f"hca_tail={g.hca_tail}", structure, repr(options), prefix.tree_digest(params))
 
 
 def _stream(engine: Engine, ids: list[int]) -> Iterator[list[StreamOutput]]:
