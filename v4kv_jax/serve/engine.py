@@ -47,10 +47,11 @@ from v4kv_jax.config import AttentionConfig, CacheConfig, Options
 from v4kv_jax.pools import Cache
 from v4kv_jax.pools.paging import pages_for
 from v4kv_jax.prefix.cache import RESTORES, PrefixCache
-from v4kv_jax.serve import clock, protocol
+from v4kv_jax.serve import clock
 from v4kv_jax.serve.batch import StepBatch, StepProgram, compiled_step_programs
 from v4kv_jax.serve.generator import ModelCache
 from v4kv_jax.serve.manager import SlotTable
+from v4kv_jax.serve.protocol import ServedModel
 from v4kv_jax.serve.request import (
     FINISH_REASONS,
     Completion,
@@ -118,10 +119,7 @@ class Engine(ModelCache):
       step_program: the `StepProgram` (the step's batch and program).
     """
 
-    _replays = True
-
-    def __init__(self, model: protocol.ServedModel, geometry: CacheConfig, *,
-                 prefill_chunk: int = 128,
+    def __init__(self, model: ServedModel, geometry: CacheConfig, *, prefill_chunk: int = 128,
                  token_budget: int | None = None, snapshot_every_pages: int | None = None,
                  device_snapshots: int = 8, host_snapshots: int = 32,
                  host_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
@@ -129,7 +127,7 @@ class Engine(ModelCache):
                  seed: int = 0, keep_logits: bool = False, max_head_wait: int = 16,
                  options: Options | None = None, mesh: meshes.Mesh | None = None):
         self.mesh = None if mesh is None else meshes.check_mesh(mesh)
-        super().__init__(model, geometry, options)
+        super().__init__(model, geometry, options, replays=True)
         program = StepProgram(self.graphdef, self.params, self.options, self.mesh, geometry,
                               shards=self.shards.count, prefill_chunk=prefill_chunk,
                               token_budget=token_budget, keep_logits=keep_logits)

@@ -151,13 +151,12 @@ class ModelCache(SlotCache):
         that lacks part of it raises a TypeError naming the part.
       geometry: the cache geometry.
       options: how the ops run (`v4kv_jax.Options`; default: "auto").
+      replays: whether the model must have `replay` (the Engine's prefix hits).
     """
 
-    _replays = False  # whether the model must have `replay` (the Engine's prefix hits)
-
     def __init__(self, model: protocol.ServedModel, geometry: CacheConfig,
-                 options: Options | None = None):
-        self.config = protocol.check_model(model, replay=self._replays)
+                 options: Options | None = None, *, replays: bool = False):
+        self.config = protocol.check_model(model, replay=replays)
         super().__init__(self.config.attn_config, geometry, options)
         self.graphdef, self.params = protocol.split(model)
 
