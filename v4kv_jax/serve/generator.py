@@ -189,8 +189,7 @@ class Generator(ModelCache):
     _live: weakref.WeakSet[Generator] = weakref.WeakSet()
 
     def __init__(self, model: protocol.ServedModel, geometry: CacheConfig, *,
-                 max_prompt_len: int,
-                 max_new_tokens: int, prefill_chunk: int = 128,
+                 max_prompt_len: int, max_new_tokens: int, prefill_chunk: int = 128,
                  options: Options | None = None, mesh: meshes.Mesh | None = None):
         self.mesh = None if mesh is None else meshes.check_mesh(mesh)
         super().__init__(model, geometry, options)
