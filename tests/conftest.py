@@ -83,7 +83,7 @@ def pytest_configure(config):
 _LONGEST_FIRST = ("test_mesh.py", "test_tpu_compile.py", "test_formats.py", "test_step.py",
                   "test_hot.py", "test_engine.py", "test_kernel_compressor.py",
                   "test_prefix_device.py", "test_layer_recipe.py", "test_nn_model.py",
-                  "test_isolation.py", "test_notebook.py",
+                  "test_own_model.py", "test_isolation.py", "test_notebook.py",
                   "test_cli.py", "test_engine_faults.py", "test_kernel_dense_attention.py",
                   "test_parity_transformers.py")
 

@@ -6,7 +6,8 @@ collected on its own (its name does not start with test_).
 Each shard of a mesh runs the body a one-device cache runs, on its own rows: a shard's
 outputs, stored rows and State are held bit for bit to a one-device run of the same rows, and
 an Engine's tokens and logits to a one-device Engine running the same batches (a mesh of one
-device; eight shards each serving one request at a time).
+device; eight shards each serving one request at a time); an Engine serving docs/own-model.md's
+model gives the tokens of the page's greedy loop.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from v4kv_jax.serve.engine import Engine, compiled_step_programs
 from v4kv_jax.testing import synthetic
 
 from faults import FaultyDirectory
+from test_own_model import greedy_tokens, own_model_blocks, run_blocks
 
 N = 8
 ATTENTION = v4.tiny()
@@ -282,3 +284,21 @@ def test_engine_over_eight_shards(mesh, tmp_path, monkeypatch):
     assert written and all(name.startswith("shard-") for name in written)
     (again,) = eng.generate([base[:280] + [1, 2]], 3)
     assert (again.tokens, again.cached_tokens) == (outputs[hit].tokens, 256)
+
+
+def test_engine_serves_the_own_model_page_model_over_eight_shards(mesh):
+    """docs/own-model.md's model (V4Attention layers, a mixture of experts of its own) over
+    eight shards with the C4 entries in host memory: every request, a prefix hit included,
+    gets the tokens of the page's own greedy loop."""
+    scope: dict = {"__name__": "docs"}
+    run_blocks(own_model_blocks()[:2], scope)  # the model and its greedy loop
+    eng = Engine(scope["model"], scope["geometry"], prefill_chunk=scope["CHUNK"], mesh=mesh)
+    rng = np.random.default_rng(4)
+    base = rng.integers(0, 64, 300).tolist()
+    prompts = [rng.integers(0, 64, int(n)).tolist() for n in (130, 9)] + [base[:270]]
+    outputs = list(eng.generate(prompts, 8))
+    prompts.append(base[:260] + [1, 2])
+    outputs += eng.generate(prompts[-1:], 8)
+    assert outputs[-1].cached_tokens == 256
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.tokens == greedy_tokens(scope, prompt, 8)

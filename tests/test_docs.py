@@ -40,6 +40,7 @@ RUN_ELSEWHERE = {
     ("docs/prefix.md", "Prefix sharing in the Engine"): "tests/test_engine.py",
     ("docs/serving.md", "Serving options"): "tests/test_engine.py",
     ("docs/model.md", "One layer on its own"): "tests/test_layer_recipe.py",
+    ("docs/own-model.md", "A whole model of your own, served"): "tests/test_own_model.py",
     ("docs/kernels.md", "Compiling for a TPU from any host"): "tests/tpu_compile_checks.py",
 }
 

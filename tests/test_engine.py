@@ -565,7 +565,9 @@ def test_bad_input_raises_naming_the_argument(tmp_path):
         Engine(kwargs.pop("model", DECODER), kwargs.pop("geometry", GEOMETRY), **kwargs)
 
     for kwargs, error, message in [
-        (dict(model="m"), TypeError, r"model: expected a v4kv_jax.nn.Decoder; got str"),
+        (dict(model="m"), TypeError, r"model.attn_config: expected the v4kv_jax "
+                                     r"AttentionConfig of the model's cache; got no attribute "
+                                     r"attn_config on str"),
         (dict(geometry=None), TypeError, r"geometry: expected a CacheConfig; got NoneType"),
         (dict(prefill_chunk=48), ValueError, r"prefill_chunk: expected a divisor of "
                                              r"page_tokens=128; got 48"),

@@ -281,7 +281,8 @@ def test_generator_checks_its_settings_and_prompts(decoder):
         gen.generate("hello")
     with pytest.raises(ValueError, match=r"max_new_tokens: expected an integer in \[1, inf\]"):
         Generator(decoder, GEOMETRY, max_prompt_len=16, max_new_tokens=0)
-    with pytest.raises(TypeError, match=r"model: expected a v4kv_jax.nn.Decoder"):
+    with pytest.raises(TypeError, match=r"model.attn_config: expected the v4kv_jax "
+                                        r"AttentionConfig"):
         Generator(object(), GEOMETRY, max_prompt_len=16, max_new_tokens=2)
 
 

@@ -221,6 +221,17 @@ class Decoder(nnx.Module):
         self.lm_head = nnx.data(None if config.tie_embeddings else nnx.Param(
             (D**-0.5 * jax.random.normal(rngs.params(), (V, D))).astype(param_dtype)))
 
+    # --- the served model's attributes (`v4kv_jax.serve.protocol.ServedModel`) ----------------
+
+    @property
+    def attn_config(self) -> AttentionConfig:
+        """The attention config of the model's cache."""
+        return self.config.attn_config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
     # --- forward ---------------------------------------------------------------------------
 
     def layers(self, x: jax.Array, cache: Cache, plan: append.AppendPlan, *,

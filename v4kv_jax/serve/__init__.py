@@ -1,4 +1,7 @@
-"""Serving a `v4kv_jax.nn.Decoder` over the cache: requests in, tokens out.
+"""Serving a model over the cache: requests in, tokens out.
+
+  protocol    what a served model provides (`ServedModel`: a `v4kv_jax.nn.Decoder`, or a
+              model of your own) and the check that names what one lacks
 
   manager     `SlotTable` (which request holds which slot of which shard) and the host
               lifecycle of a cache (`CacheManager`, `SlotCache`)
@@ -28,6 +31,7 @@ from v4kv_jax.serve.manager import (
     SlotFlaggedError,
     SlotTable,
 )
+from v4kv_jax.serve.protocol import ServedModel, check_model
 from v4kv_jax.serve.request import (
     Completion,
     EngineError,
@@ -41,6 +45,6 @@ from v4kv_jax.serve.sampling import SamplingParams, sample
 __all__ = [
     "CacheManager", "Completion", "Engine", "EngineError", "EngineReport", "GenerationResult",
     "Generator", "ModelCache", "PoolExhaustedError", "RequestMetrics", "RequestOutput",
-    "SamplingParams", "SlotCache", "SlotFlaggedError", "SlotTable", "StreamOutput", "forward",
-    "sample",
+    "SamplingParams", "ServedModel", "SlotCache", "SlotFlaggedError", "SlotTable",
+    "StreamOutput", "check_model", "forward", "sample",
 ]

@@ -6,7 +6,8 @@ A batch has one row per slot of every shard, in every phase (slot id -1 where a 
 phase out; a phase with no row is skipped by `lax.cond`), so every step and every prompt
 length runs the same compiled program:
 
-  replay   state-only rows (`Decoder.replay`): rebuild a hit's State before its boundary
+  replay   state-only rows (the model's `replay`, e.g. `Decoder.replay`): rebuild a hit's
+           State before its boundary
   prefill  chunk rows of `prefill_chunk` tokens, within `token_budget` tokens a step and
            shard (replay rows included); a chunk never crosses a multiple of `prefill_chunk`,
            so every page boundary is the end of a chunk
@@ -25,13 +26,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from v4kv_jax import checks, pools, programs
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import CacheConfig, Options
 from v4kv_jax.pools import Cache
-from v4kv_jax.serve import clock
+from v4kv_jax.serve import clock, protocol
 from v4kv_jax.serve.manager import PoolExhaustedError, SlotFlaggedError
 from v4kv_jax.serve.request import Request
 from v4kv_jax.serve.sampling import penalize, row_keys, sample, token_logprobs
@@ -90,30 +91,30 @@ def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBat
         return meshes.shard_program(
             per_shard, mesh, (meshes.P(), meshes.CACHE, rows, rows, rows),
             (meshes.CACHE,) + (rows,) * 6)(params, cache, batch, counts, in_prompt)
-    model = nnx.merge(graphdef, params)
-    S, V = batch.draw.shape[0], model.config.vocab_size
+    model = protocol.merge(graphdef, params)
+    S, V = batch.draw.shape[0], model.vocab_size
     rows = jnp.arange(S)
     none = jnp.zeros((S, V), jnp.float32)
 
     def replay(cache):
-        return model.replay(batch.replay_tokens, cache, batch.replay_slots, batch.replay_start,
-                            batch.replay_n, options=options)
+        return protocol.replay(model, batch.replay_tokens, cache, batch.replay_slots,
+                               batch.replay_start, batch.replay_n, options)
 
     cache = jax.lax.cond(jnp.any(batch.replay_n > 0), replay, lambda c: c, cache)
 
     def prefill(cache):
-        cache, h = model.hidden(batch.prefill_tokens, cache, batch.prefill_slots,
-                                batch.prefill_n, options=options)
+        cache, h = protocol.chunk(model, batch.prefill_tokens, cache, batch.prefill_slots,
+                                  batch.prefill_n, options)
         last = h[rows, jnp.clip(batch.prefill_n - 1, 0, h.shape[1] - 1)]
-        return cache, model.logits(last)
+        return cache, protocol.head(model, last)
 
     cache, prefill_logits = jax.lax.cond(jnp.any(batch.prefill_n > 0), prefill,
                                          lambda c: (c, none), cache)
 
     def decode(cache):
-        cache, h = model.hidden(batch.decode_tokens, cache, batch.decode_slots, batch.decode_n,
-                                options=options)
-        return cache, model.logits(h[:, 0])
+        cache, h = protocol.chunk(model, batch.decode_tokens, cache, batch.decode_slots,
+                                  batch.decode_n, options)
+        return cache, protocol.head(model, h[:, 0])
 
     cache, decode_logits = jax.lax.cond(jnp.any(batch.decode_n > 0), decode,
                                         lambda c: (c, none), cache)

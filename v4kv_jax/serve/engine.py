@@ -1,6 +1,6 @@
 """The token-aware engine: requests by token ids, continuous batching, prefix sharing.
 
-`Engine` owns a `nn.Decoder`'s params, one cache and the requests. `add_request` queues a
+`Engine` owns a served model's params, one cache and the requests. `add_request` queues a
 prompt with its options (`v4kv_jax.serve.sampling.SamplingParams`: temperature, top_k, top_p,
 min_p, seed, eos_id, stop token ids and sequences, n samples, logprobs, repetition, presence
 and frequency penalties); each `step()` admits queued requests
@@ -37,6 +37,7 @@ filesystem fault into a warning and a miss (`v4kv_jax.prefix.disk`).
 from __future__ import annotations
 
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -44,7 +45,6 @@ from collections.abc import Iterator, Sequence
 from v4kv_jax import checks, prefix
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
-from v4kv_jax.nn.model import Decoder
 from v4kv_jax.pools import Cache
 from v4kv_jax.pools.paging import pages_for
 from v4kv_jax.prefix.cache import RESTORES, PrefixCache
@@ -52,6 +52,7 @@ from v4kv_jax.serve import clock
 from v4kv_jax.serve.batch import StepBatch, StepProgram, compiled_step_programs
 from v4kv_jax.serve.generator import ModelCache
 from v4kv_jax.serve.manager import SlotTable
+from v4kv_jax.serve.protocol import ServedModel
 from v4kv_jax.serve.request import (
     FINISH_REASONS,
     Completion,
@@ -70,8 +71,9 @@ class Engine(ModelCache):
     """Continuous batching with prefix sharing over one cache; see the module docstring.
 
     Args:
-      model: the decoder (split once here: later changes to it are not seen; its weights
-        are hashed once, into the prefix keys).
+      model: a `v4kv_jax.serve.protocol.ServedModel` with its `replay`, e.g. a
+        `v4kv_jax.nn.Decoder` (split once here: later changes to it are not seen; its
+        weights are hashed once, into the prefix keys).
       geometry: the cache geometry (`max_slots` requests run at once).
       prefill_chunk: tokens per prefill row and step; divides page_tokens.
       token_budget: replay + prefill tokens per step and shard (decode tokens come on top);
@@ -118,7 +120,7 @@ class Engine(ModelCache):
       step_program: the `StepProgram` (the step's batch and program).
     """
 
-    def __init__(self, model: Decoder, geometry: CacheConfig, *, prefill_chunk: int = 128,
+    def __init__(self, model: ServedModel, geometry: CacheConfig, *, prefill_chunk: int = 128,
                  token_budget: int | None = None, snapshot_every_pages: int | None = None,
                  device_snapshots: int = 8, host_snapshots: int = 32,
                  host_pages: int | None = None, snapshot_dir: str | os.PathLike | None = None,
@@ -126,7 +128,7 @@ class Engine(ModelCache):
                  seed: int = 0, keep_logits: bool = False, max_head_wait: int = 16,
                  options: Options | None = None, mesh: meshes.Mesh | None = None):
         self.mesh = None if mesh is None else meshes.check_mesh(mesh)
-        super().__init__(model, geometry, options)
+        super().__init__(model, geometry, options, replays=True)
         program = StepProgram(self.graphdef, self.params, self.options, self.mesh, geometry,
                               shards=self.shards.count, prefill_chunk=prefill_chunk,
                               token_budget=token_budget, keep_logits=keep_logits)
@@ -136,11 +138,12 @@ class Engine(ModelCache):
         if snapshot_every_pages is not None:
             snapshot_every_pages = checks.integer("snapshot_every_pages", snapshot_every_pages,
                                                   lo=1)
-        self.fingerprint = fingerprint(model, geometry, self.options, self.params)
+        self.fingerprint = fingerprint(self.config.attn_config, self.graphdef, geometry,
+                                       self.options, self.params)
         self.scheduler = Scheduler(self.shards, max_head_wait=max_head_wait, seed=seed,
                                    fingerprint=self.fingerprint,
                                    vocab_size=self.config.vocab_size, keep_logits=keep_logits)
-        attn = model.config.attn_config
+        attn = self.config.attn_config
         self.replay_pages = pages_for(attn.num_layers * (attn.window - 1) + 1,
                                       geometry.page_tokens)
         self.shards.open_prefix_caches(
@@ -483,15 +486,19 @@ class Engine(ModelCache):
         return self.shards.report(self.stats)
 
 
-def fingerprint(model: Decoder, geometry: CacheConfig, options: Options, params) -> bytes:
-    """The namespace of an engine's prefix keys: its attention and model configs, the
-    geometry fields a page's contents depend on (not pool size, slots or chunking), the
-    options and the weights."""
+def fingerprint(attn_config: AttentionConfig, graphdef, geometry: CacheConfig,
+                options: Options, params) -> bytes:
+    """The namespace of an engine's prefix keys: its attention config, the model's structure
+    (its split graph or tree, static fields included), the geometry fields a page's contents
+    depend on (not pool size, slots or chunking), the options and the weights."""
     g = geometry
+    # Static functions in a graph (flax layers keep their initializers and dtype promotion)
+    # print with their address: without it, another process's engine gets the same namespace.
+    structure = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(graphdef))
     return prefix.fingerprint(
-        repr(model.config.attn_config), f"page_tokens={g.page_tokens} entry={g.entry_dtype} "
+        repr(attn_config), f"page_tokens={g.page_tokens} entry={g.entry_dtype} "
         f"index={g.index_dtype} window={g.window_dtype} tail={g.tail_dtype} "
-        f"hca_tail={g.hca_tail}", repr(model.config), repr(options), prefix.tree_digest(params))
+        f"hca_tail={g.hca_tail}", structure, repr(options), prefix.tree_digest(params))
 
 
 def _stream(engine: Engine, ids: list[int], prompt_of: list[int], *, with_logprobs: bool

@@ -34,13 +34,13 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from v4kv_jax import checks, pools, programs
 from v4kv_jax import mesh as meshes
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options, options_or_default
-from v4kv_jax.nn.model import Decoder, ModelConfig, check_chunk
+from v4kv_jax.nn.model import check_chunk
 from v4kv_jax.pools import Cache, SlotStatus
+from v4kv_jax.serve import protocol
 from v4kv_jax.serve.manager import SlotCache, SlotFlaggedError, slot_tables
 from v4kv_jax.serve.request import Completion, check_prompt
 from v4kv_jax.serve.sampling import (
@@ -75,10 +75,10 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     computing them (split[b]: a multiple of page_tokens, = split[l]): row l (fork_from -1)
     prefills its first split[l] tokens, then row b attaches those full pages of row l's slot
     (refcount + 1, one copy) and restores row l's State, and both prefill the rest."""
-    model = nnx.merge(graphdef, params)
+    model = protocol.merge(graphdef, params)
     batch, buffer = prompts.shape
     rows = jnp.arange(batch)
-    V = model.config.vocab_size
+    V = model.vocab_size
     at = jnp.where(jnp.arange(buffer)[None] < prompt_lengths[:, None], prompts, V)
     in_prompt = jnp.zeros((batch, V), bool).at[rows[:, None], at].set(True, mode="drop")
 
@@ -89,8 +89,8 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
             start = begin + i * prefill_chunk
             at = jnp.clip(start[:, None] + jnp.arange(prefill_chunk)[None], 0, buffer - 1)
             n_new = jnp.clip(end - start, 0, prefill_chunk)
-            cache, h = model.hidden(jnp.take_along_axis(prompts, at, axis=1), cache, slot_ids,
-                                    n_new, options=options)
+            cache, h = protocol.chunk(model, jnp.take_along_axis(prompts, at, axis=1), cache,
+                                      slot_ids, n_new, options)
             at = end - 1 - start
             here = (at >= 0) & (at < prefill_chunk)
             last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
@@ -119,7 +119,7 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     def stops(token):
         return jnp.any(token[:, None] == stop_ids, axis=1)
 
-    last = jnp.zeros((batch, model.config.attn_config.hidden_size), jnp.float32)
+    last = jnp.zeros((batch, protocol.width(model)), jnp.float32)
     start = jnp.zeros_like(split)
     cache, last = prefill(cache, last, start, jnp.where(fork_from < 0, split, 0))
     cache = jax.lax.cond(jnp.any(fork_from >= 0),
@@ -127,7 +127,7 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     cache, last = prefill(cache, last, split, prompt_lengths)
 
     active = prompt_lengths > 0
-    token, scores, counts = draw(model.logits(last), 0, jnp.zeros((batch, V), jnp.int32),
+    token, scores, counts = draw(protocol.head(model, last), 0, jnp.zeros((batch, V), jnp.int32),
                                  active)
     K = scores[1].shape[-1]
     out = (jnp.full((batch, max_new_tokens), -1, jnp.int32),
@@ -147,9 +147,9 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
 
     def decode(state):
         i, cache, token, done, counts, out = state
-        cache, h = model.hidden(jnp.maximum(token, 0)[:, None], cache, slot_ids,
-                                (~done).astype(jnp.int32))
-        nxt, scores, counts = draw(model.logits(h[:, 0]), i, counts, ~done)
+        cache, h = protocol.chunk(model, jnp.maximum(token, 0)[:, None], cache, slot_ids,
+                                  (~done).astype(jnp.int32), options)
+        nxt, scores, counts = draw(protocol.head(model, h[:, 0]), i, counts, ~done)
         return i + 1, cache, nxt, done | stops(nxt), counts, put(out, i, nxt, scores)
 
     _, cache, _, _, _, out = jax.lax.while_loop(
@@ -213,31 +213,34 @@ class GenerationResult:
 
 
 class ModelCache(SlotCache):
-    """A `SlotCache` of a `Decoder`, the base of the Generator and the Engine: the model is
-    split once (`graphdef`, `params`; later changes to the module are not seen).
+    """A `SlotCache` of a served model, the base of the Generator and the Engine: the model
+    is split once (`graphdef`, `params`; later changes to it are not seen).
 
     Args:
-      model: the decoder.
+      model: a `v4kv_jax.serve.protocol.ServedModel` (e.g. a `v4kv_jax.nn.Decoder`); one
+        that lacks part of it raises a TypeError naming the part.
       geometry: the cache geometry.
       options: how the ops run (`v4kv_jax.Options`; default: "auto").
+      replays: whether the model must have `replay` (the Engine's prefix hits).
     """
 
-    def __init__(self, model: Decoder, geometry: CacheConfig, options: Options | None = None):
-        if not isinstance(model, Decoder):
-            checks.fail("model", "a v4kv_jax.nn.Decoder", type(model).__name__, TypeError)
-        super().__init__(model.config.attn_config, geometry, options)
-        self.config: ModelConfig = model.config
-        self.graphdef, self.params = nnx.split(model)
+    def __init__(self, model: protocol.ServedModel, geometry: CacheConfig,
+                 options: Options | None = None, *, replays: bool = False):
+        self.config = protocol.check_model(model, replay=replays)
+        super().__init__(self.config.attn_config, geometry, options)
+        self.graphdef, self.params = protocol.split(model)
 
 
 class Generator(ModelCache):
-    """Generates from a `Decoder` with its own cache of `geometry.max_slots` slots.
+    """Generates from a served model (`protocol.ServedModel`) with its own cache of
+    `geometry.max_slots` slots.
 
     Each instance jits its own program and counts its traces (`traces`; one trace is one
     compiled program); `Generator.compiled_programs()` sums them over the live instances.
 
     Args:
-      model: the decoder (split once here; later changes to it are not seen).
+      model: the model, e.g. a `v4kv_jax.nn.Decoder` (split once here; later changes to it
+        are not seen).
       geometry: the cache geometry; `max_slots` is the batch. The length rule is the
         Engine's: a prompt and its output must fit `max_seq_len` less one token, since the
         last generated token is never appended: max_prompt_len + max_new_tokens - 1 <=
@@ -255,8 +258,8 @@ class Generator(ModelCache):
 
     _live: weakref.WeakSet[Generator] = weakref.WeakSet()
 
-    def __init__(self, model: Decoder, geometry: CacheConfig, *, max_prompt_len: int,
-                 max_new_tokens: int, prefill_chunk: int = 128,
+    def __init__(self, model: protocol.ServedModel, geometry: CacheConfig, *,
+                 max_prompt_len: int, max_new_tokens: int, prefill_chunk: int = 128,
                  options: Options | None = None, mesh: meshes.Mesh | None = None):
         self.mesh = None if mesh is None else meshes.check_mesh(mesh)
         super().__init__(model, geometry, options)
@@ -520,7 +523,7 @@ class Generator(ModelCache):
 
 def _forward_body(graphdef, params, cache: Cache, tokens: jax.Array, slot_ids: jax.Array,
                   n_new: jax.Array, options: Options) -> tuple[Cache, jax.Array]:
-    return nnx.merge(graphdef, params)(tokens, cache, slot_ids, n_new, options=options)
+    return protocol.merge(graphdef, params)(tokens, cache, slot_ids, n_new, options=options)
 
 
 _forward = programs.program("nn.forward", _forward_body, donate=("cache",),
@@ -531,7 +534,8 @@ def forward(graphdef, params, cache: Cache, tokens, slot_ids, n_new, *,
             options: Options | None = None) -> tuple[Cache, jax.Array]:
     """One jitted model call (prefill chunk or decode step): (cache, logits f32[B, T, V]).
 
-    `graphdef, params = nnx.split(model)` once; the cache is donated. Concrete arguments are
+    `graphdef, params = nnx.split(model)` once (or `protocol.split(model)`, for any served
+    model); the cache is donated. Concrete arguments are
     checked first (`model.check_chunk`): distinct ACTIVE slots in [0, max_slots), n_new in
     [0, T], token ids in [0, vocab_size). Called inside a caller's jit, the device-side rules
     of `append.begin_append` hold instead.
@@ -546,12 +550,9 @@ def forward(graphdef, params, cache: Cache, tokens, slot_ids, n_new, *,
 _CONFIGS: dict = {}
 
 
-def _config_of(graphdef, params) -> ModelConfig:
-    """The ModelConfig of a split Decoder (one merge per graphdef, then remembered)."""
+def _config_of(graphdef, params) -> protocol.ServedConfig:
+    """The config of a split served model (one merge per graphdef, then remembered)."""
     if graphdef not in _CONFIGS:
-        model = nnx.merge(graphdef, params)
-        if not isinstance(model, Decoder):
-            checks.fail("graphdef", "the graphdef of a split v4kv_jax.nn.Decoder",
-                        type(model).__name__, TypeError)
-        _CONFIGS[graphdef] = model.config
+        _CONFIGS[graphdef] = protocol.check_model(protocol.merge(graphdef, params),
+                                                  replay=False)
     return _CONFIGS[graphdef]
