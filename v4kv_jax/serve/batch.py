@@ -184,7 +184,7 @@ class StepProgram:
                                                                  meshes.replicated(mesh))
         self.max_slots, self.shards = geometry.max_slots, shards
         self.max_seq_len = geometry.max_seq_len
-        self.vocab_size = nnx.merge(graphdef, params).config.vocab_size
+        self.vocab_size = protocol.merge(graphdef, params).vocab_size
         S, V = self.max_slots * shards, self.vocab_size
         put = jnp.asarray if mesh is None else functools.partial(meshes.put,
                                                                  sharding=meshes.by_shard(mesh))
