@@ -283,10 +283,8 @@ class Engine(ModelCache):
             `logprobs`), the penalties (`SamplingParams`).
 
         Raises:
-          TypeError / ValueError naming the argument (`request.check_request`): a prompt
-          longer than max_seq_len names `prompt_ids`, a prompt and output past it
-          `max_new_tokens`, and a request needing more pages than the whole pool holds (it
-          could never run) says so.
+          TypeError / ValueError naming the argument (`request.check_request`; a request
+          needing more pages than the whole pool holds, which could never run, says so).
         """
         self._check_usable()
         return self.scheduler.submit("prompt_ids", prompt_ids, max_new_tokens, cache_salt, dict(
@@ -338,29 +336,13 @@ class Engine(ModelCache):
         concatenated, are its output's tokens. Steps run as the iterator is consumed;
         closing it early aborts the prompts still in flight.
         """
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
-            checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
-        if not len(prompts):
-            checks.fail("prompts", "at least one prompt", "an empty sequence")
         if not isinstance(stream, bool):
             checks.fail("stream", "a bool", repr(stream), TypeError)
-        options = dict(temperature=temperature, eos_id=eos_id, top_k=top_k, top_p=top_p,
-                       min_p=min_p, seed=seed, stop_token_ids=stop_token_ids, stop=stop, n=n,
-                       logprobs=logprobs, repetition_penalty=repetition_penalty,
-                       presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
-        ids, index = [], []
-        self._check_usable()
-        try:
-            for i, p in enumerate(prompts):
-                first = self.scheduler.submit(f"prompts[{i}]", p, max_new_tokens, cache_salt,
-                                              options)
-                samples = range(first, first + SamplingParams(**options).n)
-                ids += samples
-                index += [i] * len(samples)
-        except BaseException:
-            for r in ids:  # all or nothing: the prompts queued before the bad one leave
-                self.abort(r)
-            raise
+        ids, index = _queue(self, prompts, max_new_tokens, cache_salt, dict(
+            temperature=temperature, eos_id=eos_id, top_k=top_k, top_p=top_p, min_p=min_p,
+            seed=seed, stop_token_ids=stop_token_ids, stop=stop, n=n, logprobs=logprobs,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty))
         if stream:
             return _stream(self, ids, index, with_logprobs=logprobs is not None)
         done: dict[int, RequestOutput] = {}
@@ -484,6 +466,31 @@ class Engine(ModelCache):
         `shards` (its own pages, tiers and prefix-cache counters). With several processes
         every process must call it (the shards' reports are exchanged)."""
         return self.shards.report(self.stats)
+
+
+def _queue(engine: Engine, prompts: Sequence, max_new_tokens: int, cache_salt,
+           options: dict) -> tuple[list[int], list[int]]:
+    """Checks and queues every prompt of `Engine.generate`, n samples each: (request ids,
+    the index in `prompts` of each). All or nothing: a bad prompt, named `prompts[i]`,
+    aborts the ones queued before it."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+        checks.fail("prompts", "a sequence of token-id sequences", prompts, TypeError)
+    if not len(prompts):
+        checks.fail("prompts", "at least one prompt", "an empty sequence")
+    ids, index = [], []
+    engine._check_usable()
+    try:
+        for i, p in enumerate(prompts):
+            first = engine.scheduler.submit(f"prompts[{i}]", p, max_new_tokens, cache_salt,
+                                            options)
+            samples = range(first, first + SamplingParams(**options).n)
+            ids += samples
+            index += [i] * len(samples)
+    except BaseException:
+        for r in ids:
+            engine.abort(r)
+        raise
+    return ids, index
 
 
 def fingerprint(attn_config: AttentionConfig, graphdef, geometry: CacheConfig,
