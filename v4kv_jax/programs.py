@@ -153,9 +153,18 @@ class Call:
 
 
 class _Calls(list):
+    """The `Call`s a `capture` block made, in call order."""
+
     def __init__(self, stop_at):
         super().__init__()
         self.stop_at = stop_at
+
+    @property
+    def stopped(self) -> Call | None:
+        """The call of `stop_at` that ended the block (always the last one recorded), or None
+        when the block ran to its end."""
+        return self[-1] if self and self.stop_at is not None and \
+            self[-1].program is self.stop_at else None
 
 
 class _Stopped(BaseException):
@@ -190,8 +199,12 @@ def capture(stop_at: Program | None = None):
     (the rest of the block is skipped, no error). So a program can be captured for another
     target without compiling or running it here, e.g. a Generator's program at widths this
     host could not run: `with capture(stop_at=gen.program) as calls: gen.generate(...)`.
-    The object whose method was stopped may be left unusable (an Engine is): capture from a
-    throwaway one.
+    The calls before it ran as usual (a Generator's admission: `slots.reset`, then
+    `generator`), so the program to compile is the last call, `calls.stopped` (None when
+    the block ran to its end). The stopped call consumes nothing: its arguments, the
+    donated cache included, stay as they were, and a Generator keeps working after the
+    block (its cache is the one its admission returned). An Engine stopped in its step keeps
+    that step's requests in flight (`Engine.in_flight`; its next steps run them).
     """
     if stop_at is not None and not isinstance(stop_at, Program):
         raise TypeError("stop_at: expected a v4kv_jax Program or None; got "
