@@ -12,6 +12,7 @@ device; eight shards each serving one request at a time).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -162,7 +163,9 @@ def test_kernels_in_interpret_mode_on_a_shard():
 
 def test_a_shard_out_of_pages_leaves_the_others_bit_identical(mesh):
     """Shard 0's two rows need 4 pages of its 3 (num_pages=3): its rows are flagged and write
-    nothing; every other shard ends bit for bit as in a run where shard 0 appends nothing."""
+    nothing; every other shard ends bit for bit as in a run where shard 0 appends nothing.
+    The step's program is called as a caller's jit would (traced rows: flagged, not raised;
+    an eager `v4.prefill` raises first)."""
     geometry = v4.CacheConfig(num_pages=3, max_slots=2, max_pages_per_seq=3)
     batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 256, seed=4)
     ends = {}
@@ -171,9 +174,14 @@ def test_a_shard_out_of_pages_leaves_the_others_bit_identical(mesh):
         n = np.full(N * ROWS, 200, np.int32)
         n[:ROWS] = first
         pos = np.arange(256)[None, :].repeat(N * ROWS, 0)
-        ends[name] = meshes.split(v4.prefill(cache, batch.take(pos), batch.weights,
-                                             np.tile(np.arange(ROWS, dtype=np.int32), N), n,
-                                             mesh=mesh), mesh)
+        slot_ids = np.tile(np.arange(ROWS, dtype=np.int32), N)
+        if name == "starved":
+            with pytest.raises(ValueError, match=r"n_new: expected appends whose new pages fit "
+                                                 r"the 3 free page\(s\)"):
+                v4.prefill(cache, batch.take(pos), batch.weights, slot_ids, n, mesh=mesh)
+        ends[name] = meshes.split(programs.PROGRAMS["step.prefill"](
+            cache, batch.take(pos), batch.weights, jnp.asarray(slot_ids), jnp.asarray(n),
+            options=v4.Options(), mesh=mesh), mesh)
     status = np.asarray(pools.status(ends["starved"][0]))
     assert SlotStatus.OUT_OF_PAGES in status.tolist()
     assert int(pools.free_pages(ends["starved"][0])) == 3 - 2 * (status == SlotStatus.ACTIVE

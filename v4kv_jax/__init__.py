@@ -1,6 +1,7 @@
 """v4kv_jax: the DeepSeek-V4 KV cache (Classical + State pools) and attention in JAX."""
 
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
+from v4kv_jax.checks import DonatedCacheError
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
 from v4kv_jax.ops.attention import output_projection
 from v4kv_jax.pools import (
@@ -57,7 +58,8 @@ from v4kv_jax.vectors import (
 
 __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "Completion", "CompressorInput",
-    "CompressorParams", "CompressorWeights", "Engine", "EngineError", "EngineReport",
+    "CompressorParams", "CompressorWeights", "DonatedCacheError", "Engine", "EngineError",
+    "EngineReport",
     "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerRef", "LayerVectors",
     "MemoryReport", "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams",
     "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "append_and_attend",

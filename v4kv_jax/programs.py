@@ -7,7 +7,8 @@ which owns:
 
   donation   the arguments named in `donate` (always the `cache` a program returns
              updated): their buffers are reused for the output, so the caller's copy is
-             consumed
+             consumed; passing it again raises `checks.DonatedCacheError` (use the returned
+             one)
   statics    the arguments named in `static` (configs, `Options`, graph definitions):
              hashable, one compiled program per value
   counting   `Program.traces`: how often the body was traced (= programs compiled), which
@@ -48,6 +49,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from v4kv_jax import checks
+
 log = logging.getLogger("v4kv_jax")
 
 
@@ -73,10 +76,18 @@ class Program:
 
         self._jitted = jax.jit(traced, donate_argnames=self.donate,
                                static_argnames=self.static, keep_unused=keep_unused)
-        self._donated_at = frozenset(i for i, name in enumerate(inspect.signature(fn).parameters)
+        self._params = tuple(inspect.signature(fn).parameters)
+        self._donated_at = frozenset(i for i, name in enumerate(self._params)
                                      if name in self.donate)
 
     def __call__(self, *args, **kwargs):
+        names = list(self._params)
+        for i, x in enumerate(args):
+            if i in self._donated_at:
+                checks.alive(names[i], x)
+        for k in self.donate:
+            if k in kwargs:
+                checks.alive(k, kwargs[k])
         args = [committed_together(x) if i in self._donated_at else x
                 for i, x in enumerate(args)]
         kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
