@@ -129,6 +129,36 @@ def test_every_shard_equals_a_one_device_run_of_its_rows(mesh):
         assert_same_bits(shards[i], one)
 
 
+def test_shards_handing_out_different_page_ids_keep_to_their_own(mesh):
+    """Each shard's free stack in its own order (as its own history of appends and releases
+    leaves it), so the shards give their rows different page ids: every shard's outputs and
+    whole cache equal a one-device run of its rows from the same pool (unowned rows NaN), so
+    every row reads and writes the pages of its own shard's page table."""
+    batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 170, seed=5)
+    lengths = np.random.default_rng(5).integers(129, 170, N * ROWS)  # two pages a row
+    rng = np.random.default_rng(6)
+
+    def reordered():
+        cache = admitted(pools.init_cache(ATTENTION, GEOMETRY), range(ROWS))
+        pages = pools.page_state(cache)
+        stack = jnp.asarray(rng.permutation(np.asarray(pages.free_stack)))
+        return synthetic.poison_unowned(pools.with_page_state(cache,
+                                                              pages.replace(free_stack=stack)))
+
+    starts = {i: reordered() for i in range(N)}
+    cache, outs = run(on_shards({i: jax.tree.map(jnp.copy, c) for i, c in starts.items()}, mesh),
+                      batch, lengths, 1, mesh=mesh)
+    shards = meshes.split(cache, mesh)
+    tables = {np.asarray(pools.page_table(c)).tobytes() for c in shards.values()}
+    assert len(tables) == N  # eight different page tables
+    for i in range(N):
+        rows = np.arange(i * ROWS, (i + 1) * ROWS)
+        one, want = run(starts[i], batch, lengths, 1, rows=rows)
+        for got, expected in zip(outs, want, strict=True):
+            np.testing.assert_array_equal(got[:, rows], expected, err_msg=f"shard {i}")
+        assert_same_bits(shards[i], one)
+
+
 def test_kernels_in_interpret_mode_on_a_shard():
     """The Pallas kernels (GPU flavour, interpret mode) inside the sharded program: each
     shard of two gives the kernels' one-device outputs and stored rows of its rows."""
