@@ -24,6 +24,7 @@ from v4kv_jax.pools import (
     restore_state,
     snapshot_state,
 )
+from v4kv_jax.programs import compile_cache
 from v4kv_jax.serve import (
     Completion,
     Engine,
@@ -63,8 +64,8 @@ __all__ = [
     "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerRef", "LayerVectors",
     "MemoryReport", "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams",
     "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "append_and_attend",
-    "attach_prefix", "begin_append",
-    "clear_flags", "decode_attention", "decode_step", "drop_pages", "end_append", "flash",
+    "attach_prefix", "begin_append", "clear_flags", "compile_cache", "decode_attention",
+    "decode_step", "drop_pages", "end_append", "flash",
     "hold_pages", "init_cache", "inspect_slots", "layer_step", "layers_step", "load_pages",
     "memory_report", "output_projection", "prefill", "pro", "read_pages", "read_slot",
     "release_slot", "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state",
