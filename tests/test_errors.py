@@ -164,9 +164,10 @@ def test_an_eager_append_that_would_drop_tokens_raises_and_a_traced_one_flags():
                                                        SlotStatus.OUT_OF_PAGES])
     _assert_same(before, cache, skip=("status",))
     with pytest.raises(ValueError, match=r"slot_ids: expected ACTIVE slots for rows that append "
-                                         r"\(it reached max_seq_len: end the sequence with "
-                                         r"v4.release_slot \(pools.clear_flags gives it no "
-                                         r"room\)\); got slot 0 OVER_CAPACITY"):
+                                         r"\(an append would have passed max_seq_len: end "
+                                         r"the sequence with v4.release_slot \(after "
+                                         r"pools.clear_flags it can append only what still "
+                                         r"fits\)\); got slot 0 OVER_CAPACITY"):
         v4.prefill(cache, vec, DATA.weights, [0, -1], [1, 0])
     with pytest.raises(ValueError, match=r"slot_ids: expected ACTIVE slots for rows that append "
                                          r"\(it ran out of pages: free pages .*then "

@@ -96,8 +96,9 @@ REMEDIES = {
     SlotStatus.OUT_OF_PAGES: "it ran out of pages: free pages (v4.release_slot other slots, "
                              "pools.drop_pages held ones) or grow num_pages, then "
                              "pools.clear_flags it",
-    SlotStatus.OVER_CAPACITY: "it reached max_seq_len: end the sequence with "
-                              "v4.release_slot (pools.clear_flags gives it no room)",
+    SlotStatus.OVER_CAPACITY: "an append would have passed max_seq_len: end the sequence "
+                              "with v4.release_slot (after pools.clear_flags it can append "
+                              "only what still fits)",
     SlotStatus.REJECTED: "a call broke a rule for it: fix the call, then pools.clear_flags it",
 }
 
@@ -121,7 +122,8 @@ def check_room(cache: Cache, slot_ids, n_new, *, name: str = "n_new") -> None:
         if length + count > geo.max_seq_len:
             checks.fail(name, f"at most {geo.max_seq_len - length} new tokens for slot {slot} "
                         f"(length {length}, max_seq_len={geo.max_seq_len}; more would flag "
-                        f"it OVER_CAPACITY and drop them: {REMEDIES[SlotStatus.OVER_CAPACITY]})",
+                        "it OVER_CAPACITY and drop them: append fewer, or end the sequence "
+                        "with v4.release_slot)",
                         f"{count} at row {row}")
         need = max(0, -(-(length + count) // geo.page_tokens) - int(held[slot]))
         if need <= remaining:
@@ -156,7 +158,8 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
       * a slot that is not ACTIVE (FREE or flagged) appends nothing;
       * a slot whose pages do not fit appends nothing and is flagged OUT_OF_PAGES (free
         pages, then `pools.clear_flags` makes it ACTIVE), one that would pass `max_seq_len`
-        OVER_CAPACITY (it can take no more tokens: `pools.release_slot` ends it).
+        OVER_CAPACITY (`pools.release_slot` ends the sequence; after `clear_flags` it
+        appends only what still fits).
     Called with concrete arguments these rules raise ValueError instead, before anything is
     written (`check_rows`, `check_room`), naming the remedy (`REMEDIES`).
 
