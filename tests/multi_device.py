@@ -13,6 +13,7 @@ model gives the tokens of the page's greedy loop.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -130,6 +131,36 @@ def test_every_shard_equals_a_one_device_run_of_its_rows(mesh):
         assert_same_bits(shards[i], one)
 
 
+def test_shards_handing_out_different_page_ids_keep_to_their_own(mesh):
+    """Each shard's free stack in its own order (as its own history of appends and releases
+    leaves it), so the shards give their rows different page ids: every shard's outputs and
+    whole cache equal a one-device run of its rows from the same pool (unowned rows NaN), so
+    every row reads and writes the pages of its own shard's page table."""
+    batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 170, seed=5)
+    lengths = np.random.default_rng(5).integers(129, 170, N * ROWS)  # two pages a row
+    rng = np.random.default_rng(6)
+
+    def reordered():
+        cache = admitted(pools.init_cache(ATTENTION, GEOMETRY), range(ROWS))
+        pages = pools.page_state(cache)
+        stack = jnp.asarray(rng.permutation(np.asarray(pages.free_stack)))
+        return synthetic.poison_unowned(pools.with_page_state(cache,
+                                                              pages.replace(free_stack=stack)))
+
+    starts = {i: reordered() for i in range(N)}
+    cache, outs = run(on_shards({i: jax.tree.map(jnp.copy, c) for i, c in starts.items()}, mesh),
+                      batch, lengths, 1, mesh=mesh)
+    shards = meshes.split(cache, mesh)
+    tables = {np.asarray(pools.page_table(c)).tobytes() for c in shards.values()}
+    assert len(tables) == N  # eight different page tables
+    for i in range(N):
+        rows = np.arange(i * ROWS, (i + 1) * ROWS)
+        one, want = run(starts[i], batch, lengths, 1, rows=rows)
+        for got, expected in zip(outs, want, strict=True):
+            np.testing.assert_array_equal(got[:, rows], expected, err_msg=f"shard {i}")
+        assert_same_bits(shards[i], one)
+
+
 def test_kernels_in_interpret_mode_on_a_shard():
     """The Pallas kernels (GPU flavour, interpret mode) inside the sharded program: each
     shard of two gives the kernels' one-device outputs and stored rows of its rows."""
@@ -164,7 +195,9 @@ def test_kernels_in_interpret_mode_on_a_shard():
 
 def test_a_shard_out_of_pages_leaves_the_others_bit_identical(mesh):
     """Shard 0's two rows need 4 pages of its 3 (num_pages=3): its rows are flagged and write
-    nothing; every other shard ends bit for bit as in a run where shard 0 appends nothing."""
+    nothing; every other shard ends bit for bit as in a run where shard 0 appends nothing.
+    The step's program is called as a caller's jit would (traced rows: flagged, not raised;
+    an eager `v4.prefill` raises first)."""
     geometry = v4.CacheConfig(num_pages=3, max_slots=2, max_pages_per_seq=3)
     batch = synthetic.SyntheticBatch.draw(ATTENTION, N * ROWS, 256, seed=4)
     ends = {}
@@ -173,9 +206,14 @@ def test_a_shard_out_of_pages_leaves_the_others_bit_identical(mesh):
         n = np.full(N * ROWS, 200, np.int32)
         n[:ROWS] = first
         pos = np.arange(256)[None, :].repeat(N * ROWS, 0)
-        ends[name] = meshes.split(v4.prefill(cache, batch.take(pos), batch.weights,
-                                             np.tile(np.arange(ROWS, dtype=np.int32), N), n,
-                                             mesh=mesh), mesh)
+        slot_ids = np.tile(np.arange(ROWS, dtype=np.int32), N)
+        if name == "starved":
+            with pytest.raises(ValueError, match=r"n_new: expected appends whose new pages fit "
+                                                 r"the 3 free page\(s\)"):
+                v4.prefill(cache, batch.take(pos), batch.weights, slot_ids, n, mesh=mesh)
+        ends[name] = meshes.split(programs.PROGRAMS["step.prefill"](
+            cache, batch.take(pos), batch.weights, jnp.asarray(slot_ids), jnp.asarray(n),
+            options=v4.Options(), mesh=mesh), mesh)
     status = np.asarray(pools.status(ends["starved"][0]))
     assert SlotStatus.OUT_OF_PAGES in status.tolist()
     assert int(pools.free_pages(ends["starved"][0])) == 3 - 2 * (status == SlotStatus.ACTIVE

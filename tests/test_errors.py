@@ -3,6 +3,8 @@ the device-side rule (nothing written, slot flagged, nothing read) inside a call
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import pytest
 from flax import nnx
 
 import v4kv_jax as v4
-from v4kv_jax import append, ops, pools, step
+from v4kv_jax import append, ops, pools, programs, step
 from v4kv_jax.config import LayerKind
 from v4kv_jax.nn import Decoder, ModelConfig
 from v4kv_jax.pools import SlotStatus
@@ -119,7 +121,7 @@ def test_layer_ref_and_decode_attention_check_their_arguments():
         v4.decode_attention(cache, csa, csa_q, [0])
 
 
-def test_slot_lifecycle_errors_and_the_way_out_of_a_flag():
+def test_slot_lifecycle_errors():
     cache = _cache(slots=(0,))
     with pytest.raises(ValueError, match=r"slot: expected an integer in \[0, 2\]; got 3"):
         v4.reset_slot(cache, 3)
@@ -128,26 +130,85 @@ def test_slot_lifecycle_errors_and_the_way_out_of_a_flag():
     with pytest.raises(ValueError, match=r"slot: expected a FREE slot \(release_slot it first\); "
                                          r"got slot 0 ACTIVE with length 0 and 0 page\(s\)"):
         v4.reset_slot(cache, 0)
-    # A flagged slot appends nothing until clear_flags; its data never changed.
-    small = v4.CacheConfig(num_pages=1, max_slots=2, max_pages_per_seq=2)
-    cache = v4.reset_slot(v4.init_cache(MODEL, small), 0)
-    vec = DATA.take(np.arange(32)[None] + np.zeros((1, 1), int), [0])
-    cache = v4.prefill(cache, vec, DATA.weights, [0], [32])
-    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 32), [0]), DATA.weights, [0], [32])
-    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 64), [0]), DATA.weights, [0], [32])
-    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 96), [0]), DATA.weights, [0], [32])
+    with pytest.raises(ValueError, match=r"slots: expected slot ids in \[0, 3\)"):
+        v4.clear_flags(cache, [3])
+
+
+def test_an_eager_append_that_would_drop_tokens_raises_and_a_traced_one_flags():
+    """Slot 0 at max_seq_len and no page free: an eager call raises before anything runs,
+    naming the remedy; the same call inside a caller's jit flags the slots (nothing
+    written), and the next eager call names each flag's own remedy."""
+    geometry = v4.CacheConfig(num_pages=2, max_slots=2, max_pages_per_seq=2)  # 256 tokens
+    cache = v4.reset_slot(v4.init_cache(MODEL, geometry), 0)
+    for start in range(0, 256, 32):  # padded to two rows: one program for every call
+        cache = v4.prefill(cache, DATA.take(np.full((2, 32), start) + np.arange(32), [0, 1]),
+                           DATA.weights, [0, -1], [32, 0])
+    cache = v4.reset_slot(cache, 1)
+    assert int(pools.free_pages(cache)) == 0
+    vec = DATA.take(np.full((2, 32), 256), [0, 1])
     before = _snapshot(cache)
-    cache = v4.prefill(cache, DATA.take(np.full((1, 32), 128), [0]), DATA.weights, [0], [1])
-    assert int(cache.state.status[0]) == SlotStatus.OUT_OF_PAGES
+    with pytest.raises(ValueError, match=r"n_new: expected at most 0 new tokens for slot 0 "
+                                         r"\(length 256, max_seq_len=256; more would flag it "
+                                         r"OVER_CAPACITY and drop them: .*v4.release_slot.*\); "
+                                         r"got 1 at row 0"):
+        v4.prefill(cache, vec, DATA.weights, [0, -1], [1, 0])
+    with pytest.raises(ValueError, match=r"n_new: expected appends whose new pages fit the 0 "
+                                         r"free page\(s\) .*OUT_OF_PAGES.*v4.release_slot.*; "
+                                         r"got \[0, 1\]: slot 1 needs 1"):
+        v4.prefill(cache, vec, DATA.weights, [0, 1], [0, 1])
+    _assert_same(before, cache)  # nothing ran: the cache was not even donated
+
+    cache = jax.jit(v4.prefill)(cache, vec, DATA.weights, jnp.asarray([0, 1]),
+                                jnp.asarray([1, 1]))
+    np.testing.assert_array_equal(cache.state.status, [SlotStatus.OVER_CAPACITY,
+                                                       SlotStatus.OUT_OF_PAGES])
     _assert_same(before, cache, skip=("status",))
-    with pytest.raises(ValueError, match=r"slot_ids: expected ACTIVE slots .*clear_flags.*"
-                                         r"got slot 0 OUT_OF_PAGES"):
-        v4.prefill(cache, DATA.take(np.full((1, 32), 128), [0]), DATA.weights, [0], [1])
-    cache = v4.clear_flags(cache, [0])
-    assert int(cache.state.status[0]) == SlotStatus.ACTIVE
-    assert int(cache.state.lengths[0]) == 128
-    with pytest.raises(ValueError, match=r"slots: expected slot ids in \[0, 2\)"):
-        v4.clear_flags(cache, [2])
+    with pytest.raises(ValueError, match=r"slot_ids: expected ACTIVE slots for rows that append "
+                                         r"\(an append would have passed max_seq_len: end "
+                                         r"the sequence with v4.release_slot \(after "
+                                         r"pools.clear_flags it can append only what still "
+                                         r"fits\)\); got slot 0 OVER_CAPACITY"):
+        v4.prefill(cache, vec, DATA.weights, [0, -1], [1, 0])
+    with pytest.raises(ValueError, match=r"slot_ids: expected ACTIVE slots for rows that append "
+                                         r"\(it ran out of pages: free pages .*then "
+                                         r"pools.clear_flags it\); got slot 1 OUT_OF_PAGES"):
+        v4.prefill(cache, vec, DATA.weights, [1, -1], [1, 0])
+    # The remedies: slot 0 released gives its pages back, slot 1 cleared appends.
+    cache = v4.clear_flags(v4.release_slot(cache, 0), [1])
+    cache = v4.prefill(cache, vec, DATA.weights, [1, -1], [1, 0])
+    np.testing.assert_array_equal(cache.state.status, [SlotStatus.FREE, SlotStatus.ACTIVE])
+    assert int(cache.state.lengths[1]) == 1 and int(pools.free_pages(cache)) == 1
+
+
+def test_a_donated_cache_passed_again_is_a_named_error(decoder):
+    """Every entry point that takes a cache (eager calls, programs, the nn forward, reports)
+    names a cache a call donated, and says to use the returned one."""
+    graphdef, params = nnx.split(decoder)
+    cache = _cache(slots=(0,))
+    vec = DATA.take(np.zeros((2, 32), int) + np.arange(32), [0, 1])
+    new = v4.prefill(cache, vec, DATA.weights, [0, -1], [4, 0])
+    calls = {
+        "prefill": lambda: v4.prefill(cache, vec, DATA.weights, [0, -1], [4, 0]),
+        "decode_step": lambda: v4.decode_step(cache, vec, DATA.weights),
+        "release_slot": lambda: v4.release_slot(cache, 0),
+        "clear_flags": lambda: v4.clear_flags(cache, [0]),
+        "inspect_slots": lambda: v4.inspect_slots(cache),
+        "hold_pages": lambda: v4.hold_pages(cache, [0]),
+        "forward": lambda: forward(graphdef, params, cache, jnp.zeros((2, 4), jnp.int32),
+                                   jnp.asarray([0, -1]), jnp.asarray([4, 0])),
+        "slots.reset": lambda: programs.PROGRAMS["slots.reset"](cache, jnp.int32(1)),
+    }
+    message = (r"cache: expected a Cache whose arrays are alive; got one that an earlier call "
+               r"donated \(array .* is deleted\): use what that call returned instead, e.g. "
+               r"cache = v4.prefill\(cache, ...\)")
+    for name, call in calls.items():
+        try:
+            call()
+        except v4.DonatedCacheError as e:
+            assert re.match(message, str(e)), (name, str(e))
+        else:
+            raise AssertionError(f"{name}: no DonatedCacheError")
+    assert int(new.state.lengths[0]) == 4
 
 
 def test_reset_inside_jit_gives_back_the_pages_of_an_occupied_slot():

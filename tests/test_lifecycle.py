@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -160,14 +161,16 @@ def test_flags_map_to_the_same_errors_for_manager_and_generator():
     assert gen_err.value.flags == {2: "OUT_OF_PAGES"}
     assert [(s.request, s.pages_needed) for s in gen_err.value.shortfalls] == [(2, 1)]
 
-    # The manager's requests 0, 1, 2 in the same state: 2 flagged by a call outside the manager.
+    # The manager's requests 0, 1, 2 in the same state: 2 flagged by a traced call outside the
+    # manager (an eager `step.prefill` would raise instead of flagging).
     data = synthetic.SyntheticBatch.draw(SWA, 3, 16, seed=0)
     mgr = CacheManager(SWA, TIGHT, data.weights)
     for r in range(3):
         mgr.admit(r)
     mgr.prefill([0, 1], data.take(positions([0, 0], 16), [0, 1]), [10, 10])
-    mgr.cache = step.prefill(mgr.cache, data.take(positions([0], 16), [2]), data.weights,
-                             [mgr.slots[2]], [10])
+    mgr.cache = jax.jit(step.prefill)(mgr.cache, data.take(positions([0], 16), [2]),
+                                      data.weights, jnp.asarray([mgr.slots[2]]),
+                                      jnp.asarray([10]))
     before = jax.tree.map(np.asarray, mgr.cache)
     with pytest.raises(PoolExhaustedError) as mgr_err:
         mgr.prefill([2], data.take(positions([0], 16), [2]), [10])

@@ -110,19 +110,28 @@ def test_snapshots_share_the_page_files_of_their_chain(tmp_path):
     assert sorted(n.split(".")[1] for n in names) == ["v4page"] * 4 + ["v4snap"] * 4
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "another page's"])
 def test_a_bad_or_missing_page_file_costs_its_pages_never_wrong_data(tmp_path, damage):
+    """A page file that cannot be read, is corrupt, or is a valid file of another page under
+    this page's name (copied in a shared directory) is refused: the page is recomputed."""
     eng = engine(host_pages=0, snapshot_dir=tmp_path, device_snapshots=0, host_snapshots=0,
                  disk_snapshots=0)
     converse(eng, 7)
     chain = digests(eng, PROMPTS[0], "conversation-0")
     assert [eng.prefix_cache.cold.tier_of(d) for d in chain] == ["disk"] * 4
-    bad = 2 if damage == "corrupt" else 0
+    bad = 0 if damage == "missing" else 2
     path = os.path.join(tmp_path, chain[bad].hex() + page_tiers.SUFFIX)
     if damage == "corrupt":
         raw = open(path, "rb").read()
         open(path, "wb").write(raw[:-9] + bytes([raw[-9] ^ 1]) + raw[-8:])
         said = rf"page file {re.escape(path)} is unusable \(checksum mismatch"
+    elif damage == "another page's":  # the next page's file, intact, under this one's name
+        other = open(os.path.join(tmp_path, chain[bad + 1].hex() + page_tiers.SUFFIX),
+                     "rb").read()
+        assert other != open(path, "rb").read()
+        open(path, "wb").write(other)
+        said = (rf"page file {re.escape(path)} is unusable \(holds key "
+                rf"{chain[bad + 1].hex()[:12]}\.\.\., not its name's\)")
     else:
         os.remove(path)
         said = rf"page file {re.escape(path)} could not be read \(ENOENT"
@@ -130,7 +139,7 @@ def test_a_bad_or_missing_page_file_costs_its_pages_never_wrong_data(tmp_path, d
     with pytest.warns(RuntimeWarning, match=said):
         out = generate(eng, prompt, "conversation-0", 3)
     # The pages before the bad one hit (2 pages: replayed), or none (recomputed).
-    assert out.cached_tokens == (2 * P if damage == "corrupt" else 0)
+    assert out.cached_tokens == (0 if damage == "missing" else 2 * P)
     assert_same(out, cold(eng, prompt, 3))
     assert not os.path.exists(path) and eng.prefix_cache.cold.tier_of(chain[bad]) is None
 

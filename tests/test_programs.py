@@ -50,3 +50,60 @@ def test_capture_names_a_bad_stop_at():
                                         "got function"):
         with programs.capture(stop_at=lambda x: x):
             pass
+
+
+def test_a_generator_keeps_working_after_a_capture_stopped_at_its_program():
+    """The stopped call consumes nothing: the Generator's cache (donated by its program) is
+    the one its admission returned, so later calls run and give the same tokens."""
+    from flax import nnx
+
+    import v4kv_jax as v4
+    from v4kv_jax.nn import Decoder, ModelConfig
+    from v4kv_jax.serve import Generator
+
+    from conftest import GEOMETRY
+
+    window_only = v4.tiny(compress_ratios=(0,))  # compiles fastest
+    decoder = Decoder(ModelConfig(window_only, vocab_size=40, mlp_hidden=0), rngs=nnx.Rngs(3),
+                      bias_scale=0.3)
+    gen = Generator(decoder, GEOMETRY, max_prompt_len=16, max_new_tokens=3, prefill_chunk=8)
+    before = gen.generate([[1, 2, 3], [4, 5]]).as_lists()
+    with programs.capture(stop_at=gen.program) as calls:
+        gen.generate([[7, 8, 9]])
+    assert calls.stopped is calls[-1] and calls.stopped.program is gen.program
+    assert [c.program.name for c in calls[:-1]] == ["slots.release"] * 2 + ["slots.reset"]
+    assert gen.traces == 1  # the stopped call compiled nothing
+    assert gen.generate([[1, 2, 3], [4, 5]]).as_lists() == before
+    assert v4.inspect_slots(gen.cache)[0].length == 3 + 3 - 1
+
+
+def test_compile_cache_turns_the_persistent_cache_on_in_one_line(tmp_path, monkeypatch):
+    """`v4kv_jax.compile_cache()`: jax's persistent cache on, in the folder given, else
+    JAX_COMPILATION_CACHE_DIR's, else the per-user one (the CLI's; its files are written by
+    the demo in tests/test_cli.py)."""
+    import jax
+
+    import v4kv_jax as v4
+
+    config = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+              "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in config}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    try:
+        assert v4.compile_cache(tmp_path / "mine") == str(tmp_path / "mine")
+        assert jax.config.jax_enable_compilation_cache
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+        monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+        assert v4.compile_cache() == str(tmp_path / "env")
+        monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+        assert v4.compile_cache() == str(tmp_path / "xdg" / "v4kv_jax" / "jax")
+        assert jax.config.jax_compilation_cache_dir == programs.default_cache_dir()
+        with pytest.raises(TypeError, match=r"directory: expected a path \(str or "
+                                            r"os.PathLike\) or None; got int"):
+            v4.compile_cache(3)
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)

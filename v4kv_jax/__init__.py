@@ -1,6 +1,7 @@
 """v4kv_jax: the DeepSeek-V4 KV cache (Classical + State pools) and attention in JAX."""
 
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
+from v4kv_jax.checks import DonatedCacheError
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
 from v4kv_jax.ops.attention import output_projection
 from v4kv_jax.pools import (
@@ -23,6 +24,7 @@ from v4kv_jax.pools import (
     restore_state,
     snapshot_state,
 )
+from v4kv_jax.programs import compile_cache
 from v4kv_jax.serve import (
     Completion,
     Engine,
@@ -57,12 +59,13 @@ from v4kv_jax.vectors import (
 
 __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "Completion", "CompressorInput",
-    "CompressorParams", "CompressorWeights", "Engine", "EngineError", "EngineReport",
+    "CompressorParams", "CompressorWeights", "DonatedCacheError", "Engine", "EngineError",
+    "EngineReport",
     "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerRef", "LayerVectors",
     "MemoryReport", "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams",
     "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "append_and_attend",
-    "attach_prefix", "begin_append",
-    "clear_flags", "decode_attention", "decode_step", "drop_pages", "end_append", "flash",
+    "attach_prefix", "begin_append", "clear_flags", "compile_cache", "decode_attention",
+    "decode_step", "drop_pages", "end_append", "flash",
     "hold_pages", "init_cache", "inspect_slots", "layer_step", "layers_step", "load_pages",
     "memory_report", "output_projection", "prefill", "pro", "read_pages", "read_slot",
     "release_slot", "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state",

@@ -69,6 +69,7 @@ def read_slots(cache: Cache, slot_ids: jax.Array) -> jax.Array:
 def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
     """Concrete checks of one call's rows: distinct slots in range (or -1 for a padding row,
     which must append nothing), n_new in [0, tokens], and every slot that appends is ACTIVE."""
+    checks.alive("cache", cache)
     S = cache.geometry.max_slots
     ids = checks.slot_ids(slot_ids, S, padding=True)
     n = checks.int_array("n_new", n_new, ndim=1)
@@ -85,10 +86,56 @@ def check_rows(cache: Cache, slot_ids, n_new, tokens: int) -> None:
             continue
         st = SlotStatus(int(status[slot]))
         if count > 0 and st != SlotStatus.ACTIVE:
-            hint = ("reset_slot it first" if st == SlotStatus.FREE
-                    else "pools.clear_flags it once the cause is fixed")
-            checks.fail("slot_ids", f"ACTIVE slots for rows that append ({hint})",
+            checks.fail("slot_ids", f"ACTIVE slots for rows that append ({REMEDIES[st]})",
                         f"slot {slot} {st.name}")
+
+
+# What to do with a slot that is not ACTIVE, by its status: the remedy each message names.
+REMEDIES = {
+    SlotStatus.FREE: "reset_slot it first",
+    SlotStatus.OUT_OF_PAGES: "it ran out of pages: free pages (v4.release_slot other slots, "
+                             "pools.drop_pages held ones) or grow num_pages, then "
+                             "pools.clear_flags it",
+    SlotStatus.OVER_CAPACITY: "an append would have passed max_seq_len: end the sequence "
+                              "with v4.release_slot (after pools.clear_flags it can append "
+                              "only what still fits)",
+    SlotStatus.REJECTED: "a call broke a rule for it: fix the call, then pools.clear_flags it",
+}
+
+
+def check_room(cache: Cache, slot_ids, n_new, *, name: str = "n_new") -> None:
+    """Concrete check that every appending row fits, where the device would drop its tokens:
+    a row that would pass `max_seq_len` (the device flags it OVER_CAPACITY) or whose new
+    pages the free stack cannot give, rows served in batch order as `paging.allocate` does
+    (OUT_OF_PAGES), raises ValueError naming `name` and the remedy. Rows must have passed
+    `check_rows`."""
+    geo = cache.geometry
+    lengths = np.asarray(pools.lengths(cache))
+    held = np.sum(np.asarray(pools.page_table(cache)) >= 0, axis=1)
+    free = remaining = int(pools.free_pages(cache))
+    short = []
+    for row, (slot, count) in enumerate(zip(np.asarray(slot_ids).tolist(),
+                                            np.asarray(n_new).tolist(), strict=True)):
+        if slot < 0 or count <= 0:
+            continue
+        length = int(lengths[slot])
+        if length + count > geo.max_seq_len:
+            checks.fail(name, f"at most {geo.max_seq_len - length} new tokens for slot {slot} "
+                        f"(length {length}, max_seq_len={geo.max_seq_len}; more would flag "
+                        "it OVER_CAPACITY and drop them: append fewer, or end the sequence "
+                        "with v4.release_slot)",
+                        f"{count} at row {row}")
+        need = max(0, -(-(length + count) // geo.page_tokens) - int(held[slot]))
+        if need <= remaining:
+            remaining -= need
+        else:
+            short.append(f"slot {slot} needs {need}")
+    if short:
+        checks.fail(name, f"appends whose new pages fit the {free} free page(s) (else the "
+                    "device flags the slots OUT_OF_PAGES and drops their tokens: free pages "
+                    "with v4.release_slot or pools.drop_pages, or grow num_pages)",
+                    f"{list(np.asarray(n_new).tolist())}: {', '.join(short)} after the rows "
+                    "before it")
 
 
 def _repeated(slot_ids: jax.Array) -> jax.Array:
@@ -109,9 +156,12 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
         outside [0, tokens], and a row marked in `reject` append and read nothing, and their
         slot is flagged REJECTED (unless FREE);
       * a slot that is not ACTIVE (FREE or flagged) appends nothing;
-      * a slot whose pages do not fit appends nothing and is flagged OUT_OF_PAGES, one that
-        would pass `max_seq_len` OVER_CAPACITY (`pools.clear_flags` makes them ACTIVE).
-    Called with concrete arguments, the first two rules raise ValueError instead.
+      * a slot whose pages do not fit appends nothing and is flagged OUT_OF_PAGES (free
+        pages, then `pools.clear_flags` makes it ACTIVE), one that would pass `max_seq_len`
+        OVER_CAPACITY (`pools.release_slot` ends the sequence; after `clear_flags` it
+        appends only what still fits).
+    Called with concrete arguments these rules raise ValueError instead, before anything is
+    written (`check_rows`, `check_room`), naming the remedy (`REMEDIES`).
 
     Args:
       cache: the cache.
@@ -121,11 +171,13 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
       reject: optional bool[B], rows the caller found invalid (e.g. token ids outside the
         vocabulary).
     """
+    checks.alive("cache", cache)
     geo = cache.geometry
     S = geo.max_slots
     tokens = checks.integer("tokens", tokens, lo=1)
-    if checks.concrete(slot_ids, n_new):
+    if checks.concrete(slot_ids, n_new, cache):
         check_rows(cache, slot_ids, n_new, tokens)
+        check_room(cache, slot_ids, n_new)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     n_new = jnp.asarray(n_new, jnp.int32)
     in_range = (slot_ids >= 0) & (slot_ids < S)
@@ -216,6 +268,7 @@ def replay_plan(cache: Cache, slot_ids, start, n_new, tokens: int) -> AppendPlan
 
 def end_append(cache: Cache, plan: AppendPlan) -> Cache:
     """Advances the lengths of the slots that appended (a replay's plan changes nothing)."""
+    checks.alive("cache", cache)
     if plan.state_only:
         return cache
     lengths = pools.lengths(cache).at[plan.slot_ids].add(plan.n_new, mode="drop")

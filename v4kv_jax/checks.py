@@ -34,6 +34,26 @@ def fail(name: str, expected: str, got, error: type[Exception] = ValueError) -> 
     raise error(f"{name}: expected {expected}; got {_show(got)}")
 
 
+class DonatedCacheError(RuntimeError):
+    """A cache (or another argument a program donates) was passed again after a call that
+    donated it: its arrays were handed over to that call's result and are deleted. The
+    call's returned cache is the one to use (`cache = v4.prefill(cache, ...)`)."""
+
+
+def alive(name: str, tree) -> None:
+    """Raises `DonatedCacheError` when an array of `tree` was deleted (donated to an earlier
+    call); one flag read per array, no transfer. Tracers pass."""
+    for leaf in jax.tree.leaves(tree):
+        if (isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)
+                and leaf.is_deleted()):
+            kind = type(tree).__name__
+            raise DonatedCacheError(
+                f"{name}: expected a {kind} whose arrays are alive; got one that an earlier "
+                f"call donated (array {leaf.dtype.name}{list(leaf.shape)} is deleted): use "
+                "what that call returned instead, e.g. cache = v4.prefill(cache, ...) or "
+                "cache, out = v4.append_and_attend(cache, ...)")
+
+
 def concrete(*values) -> bool:
     """True when no value (or pytree leaf) is a tracer, so its contents can be inspected."""
     return not any(isinstance(leaf, jax.core.Tracer)
@@ -135,5 +155,5 @@ def slot(x, max_slots: int, *, name: str = "slot") -> int:
     return integer(name, x, lo=0, hi=max_slots - 1)
 
 
-__all__ = ["concrete", "dtype_kind", "fail", "int_array", "integer", "one_of", "real", "shape",
-           "slot", "slot_ids"]
+__all__ = ["DonatedCacheError", "alive", "concrete", "dtype_kind", "fail", "int_array", "integer",
+           "one_of", "real", "shape", "slot", "slot_ids"]

@@ -29,10 +29,11 @@ import time
 import jax
 import numpy as np
 
-from v4kv_jax import checks, kernel_check, pools, targets
+from v4kv_jax import checks, kernel_check, pools, programs, targets
 from v4kv_jax import config as cfg
 from v4kv_jax.pools import storage
 from v4kv_jax.pools.layout import compressor_specs
+from v4kv_jax.programs import default_cache_dir  # noqa: F401 (the CLI's folder, by name)
 
 DEMO_MODEL = dict(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64,
                   o_groups=2, o_lora_rank=32, window=128, compress_ratios=(0, 0, 4, 128, 4, 128),
@@ -56,27 +57,15 @@ def _gib_text(n: float) -> str:
 _FALSE = ("0", "false", "f", "no", "n", "off")
 
 
-def default_cache_dir() -> str:
-    """The per-user folder of the CLI's compilation cache: $XDG_CACHE_HOME/v4kv_jax/jax, by
-    default ~/.cache/v4kv_jax/jax."""
-    return os.path.join(kernel_check.choice.user_dir(), "jax")
-
-
 def compile_cache(enabled: bool = True) -> str | None:
     """Turns jax's persistent compilation cache on for this process, before anything compiles,
-    and returns its folder: JAX_COMPILATION_CACHE_DIR if set, else `default_cache_dir()`.
-    Every program is kept however fast it compiled (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-    overrides that). Returns None, and turns the cache off, when `enabled` is False or the
-    environment says JAX_ENABLE_COMPILATION_CACHE=false."""
+    and returns its folder (`programs.compile_cache`: JAX_COMPILATION_CACHE_DIR if set, else
+    `default_cache_dir()`). Returns None, and turns the cache off, when `enabled` is False or
+    the environment says JAX_ENABLE_COMPILATION_CACHE=false."""
     if not enabled or os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "").lower() in _FALSE:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    path = os.path.abspath(os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir())
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return path
+    return programs.compile_cache()
 
 
 class CacheEvents:

@@ -7,7 +7,8 @@ which owns:
 
   donation   the arguments named in `donate` (always the `cache` a program returns
              updated): their buffers are reused for the output, so the caller's copy is
-             consumed
+             consumed; passing it again raises `checks.DonatedCacheError` (use the returned
+             one)
   statics    the arguments named in `static` (configs, `Options`, graph definitions):
              hashable, one compiled program per value
   counting   `Program.traces`: how often the body was traced (= programs compiled), which
@@ -44,10 +45,13 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 
 import jax
+
+from v4kv_jax import checks
 
 log = logging.getLogger("v4kv_jax")
 
@@ -74,10 +78,18 @@ class Program:
 
         self._jitted = jax.jit(traced, donate_argnames=self.donate,
                                static_argnames=self.static, keep_unused=keep_unused)
-        self._donated_at = frozenset(i for i, name in enumerate(inspect.signature(fn).parameters)
+        self._params = tuple(inspect.signature(fn).parameters)
+        self._donated_at = frozenset(i for i, name in enumerate(self._params)
                                      if name in self.donate)
 
     def __call__(self, *args, **kwargs):
+        names = list(self._params)
+        for i, x in enumerate(args):
+            if i in self._donated_at:
+                checks.alive(names[i], x)
+        for k in self.donate:
+            if k in kwargs:
+                checks.alive(k, kwargs[k])
         args = [committed_together(x) if i in self._donated_at else x
                 for i, x in enumerate(args)]
         kwargs = {k: committed_together(x) if k in self.donate else x for k, x in kwargs.items()}
@@ -154,9 +166,18 @@ class Call:
 
 
 class _Calls(list):
+    """The `Call`s a `capture` block made, in call order."""
+
     def __init__(self, stop_at):
         super().__init__()
         self.stop_at = stop_at
+
+    @property
+    def stopped(self) -> Call | None:
+        """The call of `stop_at` that ended the block (always the last one recorded), or None
+        when the block ran to its end."""
+        return self[-1] if self and self.stop_at is not None and \
+            self[-1].program is self.stop_at else None
 
 
 class _Stopped(BaseException):
@@ -191,8 +212,12 @@ def capture(stop_at: Program | None = None):
     (the rest of the block is skipped, no error). So a program can be captured for another
     target without compiling or running it here, e.g. a Generator's program at widths this
     host could not run: `with capture(stop_at=gen.program) as calls: gen.generate(...)`.
-    The object whose method was stopped may be left unusable (an Engine is): capture from a
-    throwaway one.
+    The calls before it ran as usual (a Generator's admission: `slots.reset`, then
+    `generator`), so the program to compile is the last call, `calls.stopped` (None when
+    the block ran to its end). The stopped call consumes nothing: its arguments, the
+    donated cache included, stay as they were, and a Generator keeps working after the
+    block (its cache is the one its admission returned). An Engine stopped in its step keeps
+    that step's requests in flight (`Engine.in_flight`; its next steps run them).
     """
     if stop_at is not None and not isinstance(stop_at, Program):
         raise TypeError("stop_at: expected a v4kv_jax Program or None; got "
@@ -206,6 +231,40 @@ def capture(stop_at: Program | None = None):
             raise
     finally:
         _CAPTURES.remove(calls)
+
+
+def default_cache_dir() -> str:
+    """The per-user folder of the persistent compilation cache: $XDG_CACHE_HOME/v4kv_jax/jax,
+    by default ~/.cache/v4kv_jax/jax."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "v4kv_jax", "jax")
+
+
+def compile_cache(directory: str | os.PathLike | None = None) -> str:
+    """Turns on jax's persistent compilation cache for this process and returns its folder:
+    the programs compiled from then on are written there, and a later process that calls
+    this too loads them instead of compiling them again (the library's programs take seconds
+    each to compile; `v4kv demo` compiles 19).
+
+    Call it once, first thing (`v4kv_jax.compile_cache()`): jax decides whether a process
+    uses the cache at its first compilation, so a call after anything has compiled is
+    ignored by jax.
+
+    Args:
+      directory: the folder (made when missing); None: JAX_COMPILATION_CACHE_DIR if set,
+        else `default_cache_dir()`. Every program is kept however fast it compiled, unless
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise.
+    """
+    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+        checks.fail("directory", "a path (str or os.PathLike) or None",
+                    type(directory).__name__, TypeError)
+    path = os.path.abspath(os.fspath(directory) if directory is not None else (
+        os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir()))
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
 
 
 PROGRAMS: dict[str, Program] = {}
@@ -232,4 +291,5 @@ def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequ
     return made
 
 
-__all__ = ["PROGRAMS", "Call", "Program", "capture", "committed_together", "program"]
+__all__ = ["PROGRAMS", "Call", "Program", "capture", "committed_together", "compile_cache",
+           "default_cache_dir", "program"]

@@ -110,6 +110,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
       n_new are padding); with `with_picks`, (cache, output, picks i32[B, T, k] for a CSA
       layer (-1 = unused pick), None otherwise).
     """
+    checks.alive("cache", cache)
     options = _options(options)
     fixed = cache.layout
     _check_layer_inputs(cache, plan, ref, vectors, queries, params)
@@ -154,6 +155,7 @@ def decode_attention(cache: Cache, ref: LayerRef, queries: Queries, slot_ids, *,
       needs into a copy of the rows' hot sets that is not kept (the cache is not returned);
       `layer_step` keeps it.
     """
+    checks.alive("cache", cache)
     S = cache.geometry.max_slots
     if checks.concrete(slot_ids):
         checks.int_array("slot_ids", slot_ids, ndim=1, lo=0, hi=S - 1)
@@ -181,6 +183,7 @@ def decode_attention_all(cache: Cache, queries: Queries, slot_ids, *,
     Returns:
       f32[n_layers, B, 1, H, hd].
     """
+    checks.alive("cache", cache)
     model = cache.attn_config
     if checks.concrete(slot_ids):
         checks.int_array("slot_ids", slot_ids, ndim=1, lo=0, hi=cache.geometry.max_slots - 1)
@@ -228,6 +231,7 @@ def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: 
     Returns:
       (cache, f32[n_layers, B, T, H, hd]).
     """
+    checks.alive("cache", cache)
     model = cache.attn_config
     out = None
     for kind in LayerKind:
@@ -328,11 +332,14 @@ def chunk_length(vectors: TokenVectors) -> int:
 
 
 def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights, slot_ids,
-                n_new, mesh=None, start=None) -> int:
+                n_new, mesh=None, start=None, n_new_name: str = "n_new") -> int:
     """Checks of the eager entry points (each shard's rows against its cache with a `mesh`);
-    returns the chunk length T."""
+    returns the chunk length T. An append that would drop tokens (past max_seq_len, or
+    pages the free stack lacks) raises here, before the program runs (`append.check_room`);
+    traced arguments are not checked (the device flags the slot instead)."""
     if not isinstance(cache, Cache):
         checks.fail("cache", "a v4kv_jax Cache", type(cache).__name__, TypeError)
+    checks.alive("cache", cache)
     tokens = chunk_length(vectors)
     batch = np.shape(slot_ids)[0] if np.ndim(slot_ids) else -1
     check_vectors(cache, vectors, batch, tokens)
@@ -352,6 +359,8 @@ def _check_call(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
         append.check_rows(local, part(slot_ids), part(n_new), tokens)
         if start is not None:
             append.check_replay(local, part(slot_ids), part(start), part(n_new), tokens)
+        else:
+            append.check_room(local, part(slot_ids), part(n_new), name=n_new_name)
     return tokens
 
 
@@ -451,6 +460,14 @@ def prefill(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       options: how the ops run.
       mesh: a `v4kv_jax.mesh.data_mesh` the cache is a mesh's cache of (the batch is the
         shards' rows end to end; see the module docstring), or None.
+
+    Raises:
+      ValueError / TypeError naming the argument, with concrete arguments: bad rows, a
+        FREE or flagged slot that appends (with its flag's remedy), and an append that the
+        device would drop (past max_seq_len: release the slot; pages the free stack does
+        not have: free pages), before anything runs. Inside a caller's jit the device
+        flags such slots instead (`append.begin_append`).
+      v4kv_jax.DonatedCacheError: `cache` was donated to an earlier call.
     """
     _check_call(cache, vectors, weights, slot_ids, n_new, mesh)
     return _append_all_jit(cache, vectors, weights, jnp.asarray(slot_ids, jnp.int32),
@@ -505,6 +522,7 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
       mesh: a `v4kv_jax.mesh.data_mesh` the cache is a mesh's cache of (the batch is the
         shards' rows end to end; see the module docstring), or None.
     """
+    checks.alive("cache", cache)
     S = cache.geometry.max_slots
     slots = np.arange(S, dtype=np.int32)
     if mesh is not None:
@@ -515,7 +533,7 @@ def decode_step(cache: Cache, vectors: TokenVectors, weights: CompressorWeights,
         checks.shape("active", active, slots.shape)
         checks.dtype_kind("active", active, "bool")
     n_new = jnp.asarray(active, jnp.int32)
-    _check_call(cache, vectors, weights, slots, n_new, mesh)
+    _check_call(cache, vectors, weights, slots, n_new, mesh, n_new_name="active")
     return _append_all_jit(cache, vectors, weights, jnp.asarray(slots), n_new,
                            options=_options(options), mesh=mesh)
 

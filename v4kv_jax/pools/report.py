@@ -51,6 +51,7 @@ def is_deleted(cache: Cache) -> bool:
 
 def inspect_slots(cache: Cache) -> list[SlotReport]:
     """What each non-free slot holds, derived from its length and page-table row."""
+    checks.alive("cache", cache)
     model = cache.attn_config
     lengths = np.asarray(cache.state.lengths)
     status = np.asarray(cache.state.status)
@@ -106,6 +107,7 @@ class SlotContents:
 
 def read_slot(cache: Cache, slot: int) -> SlotContents:
     """What one slot holds, by entry index and position (for inspection and tests)."""
+    checks.alive("cache", cache)
     S = cache.geometry.max_slots
     slot = checks.slot(slot, S)
     n = int(cache.state.lengths[slot])
@@ -473,6 +475,7 @@ def memory_report(cache: Cache, target: str | None = None) -> MemoryReport:
     """The cache's `MemoryReport`; with `target` (a TPU generation such as "v5e", or a
     topology name) also the compiler's figures for the cache on one chip of it
     (`laid_out`)."""
+    checks.alive("cache", cache)
     model, geo = cache.attn_config, cache.geometry
     P = geo.page_tokens
     lengths = np.asarray(cache.state.lengths, dtype=np.int64)

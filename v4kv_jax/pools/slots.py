@@ -41,6 +41,7 @@ def reset_slot(cache: Cache, slot) -> Cache:
     and a slot that still holds pages first gives them back (as `release_slot`), so none is
     lost.
     """
+    checks.alive("cache", cache)
     _check_slot(cache, slot, free=True)
     mask = _slot_mask(cache, slot)
     cache = cache.replace(pages=paging.release(cache.pages, mask))
@@ -66,6 +67,7 @@ def release_slot(cache: Cache, slot) -> Cache:
     Releasing a FREE slot changes nothing. A concrete slot outside [0, max_slots) raises
     ValueError; inside a caller's jit it changes nothing.
     """
+    checks.alive("cache", cache)
     _check_slot(cache, slot)
     mask = _slot_mask(cache, slot)
     state = cache.state.replace(
@@ -86,6 +88,7 @@ def clear_flags(cache: Cache, slots) -> Cache:
       slots: i32[n] slot ids (concrete ids outside [0, max_slots) raise ValueError; inside a
         caller's jit they change nothing).
     """
+    checks.alive("cache", cache)
     S = cache.geometry.max_slots
     if checks.concrete(slots):
         checks.slot_ids(np.atleast_1d(np.asarray(slots)), S, name="slots")

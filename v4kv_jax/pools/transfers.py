@@ -56,6 +56,7 @@ def attach_prefix(cache: Cache, slot, page_ids, n_pages) -> Cache:
     Called with concrete arguments, a broken rule raises ValueError (TypeError for a wrong
     type); inside a caller's jit a call that breaks one changes nothing.
     """
+    checks.alive("cache", cache)
     geo = cache.geometry
     S, M = geo.max_slots, geo.max_pages_per_seq
     if checks.concrete(slot, page_ids, n_pages, cache.state.status, cache.pages.refcount):
@@ -137,6 +138,7 @@ def hold_pages(cache: Cache, page_ids) -> Cache:
     ValueError (TypeError for a wrong type); inside a caller's jit such a call changes
     nothing.
     """
+    checks.alive("cache", cache)
     _check_held_ids(cache, page_ids)
     pages, _ = paging.hold(cache.pages, jnp.asarray(page_ids, jnp.int32))
     return cache.replace(pages=pages)
@@ -148,6 +150,7 @@ def drop_pages(cache: Cache, page_ids) -> Cache:
     Checks as `hold_pages`. Dropping a reference the caller does not hold takes another
     holder's: the caller keeps its own count.
     """
+    checks.alive("cache", cache)
     _check_held_ids(cache, page_ids)
     pages, _ = paging.drop(cache.pages, jnp.asarray(page_ids, jnp.int32))
     return cache.replace(pages=pages)
@@ -205,6 +208,7 @@ def read_pages(cache: Cache, page_ids) -> dict[str, jax.Array]:
 
     Called with concrete ids, an id outside [-1, num_pages) raises ValueError.
     """
+    checks.alive("cache", cache)
     N = cache.geometry.num_pages
     if checks.concrete(page_ids):
         checks.int_array("page_ids", page_ids, ndim=1, lo=-1, hi=N - 1)
@@ -237,6 +241,7 @@ def load_pages(cache: Cache, contents: dict, n_pages) -> tuple[Cache, jax.Array]
       arguments, a broken rule raises ValueError (TypeError for a wrong type or dtype);
       inside a caller's jit a call that breaks one takes nothing (all ids -1).
     """
+    checks.alive("cache", cache)
     want = jax.eval_shape(lambda c: read_pages(c, jnp.zeros((1,), jnp.int32)), cache)
     if not isinstance(contents, dict) or set(contents) != set(want):
         checks.fail("contents", f"a dict of the compressors {sorted(want)}",
@@ -300,6 +305,7 @@ def snapshot_state(cache: Cache, slot) -> StateSnapshot:
     A concrete slot outside [0, max_slots) or FREE raises ValueError; inside a caller's jit
     an id outside [0, max_slots) gives zeros and length 0.
     """
+    checks.alive("cache", cache)
     S = cache.geometry.max_slots
     if checks.concrete(slot, cache.state.status):
         s = checks.slot(slot, S)
@@ -330,6 +336,7 @@ def restore_state(cache: Cache, slot, snapshot: StateSnapshot) -> Cache:
     ValueError (TypeError for a wrong type or dtype); inside a caller's jit a call that
     breaks a rule on values changes nothing.
     """
+    checks.alive("cache", cache)
     geo = cache.geometry
     S, P = geo.max_slots, geo.page_tokens
     if not isinstance(snapshot, StateSnapshot):

@@ -18,7 +18,8 @@ from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
 
 class SlotStatus(enum.IntEnum):
     """What a slot is doing. A flagged slot (OUT_OF_PAGES, OVER_CAPACITY, REJECTED) keeps its
-    data, appends nothing until `clear_flags`, and its flag stays until then.
+    data, appends nothing until `clear_flags`, and its flag stays until then (or until
+    `release_slot` ends it: the one way on for OVER_CAPACITY).
 
     Ordered so that a flag outranks ACTIVE (`max` of two statuses keeps the flag).
     """

@@ -362,6 +362,7 @@ class Generator(ModelCache):
             cache = meshes.assemble(caches, self.mesh)
             args = tuple(meshes.put(a, meshes.by_shard(self.mesh)) for a in rows) + (
                 meshes.put(np.int32(limit), meshes.replicated(self.mesh)),)
+        self.cache = cache  # the admitted rows' cache, if the program does not run (capture)
         self.cache, *out = self._program(self.params, cache, *args)
         return tuple(out)
 
