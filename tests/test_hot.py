@@ -79,6 +79,12 @@ def test_reads_through_the_hot_set_equal_reads_from_the_pool(runs, hot_rows):
     c4_kind = pools.csa_entries(cache).c4.sharding.memory_kind
     assert c4_kind == ("pinned_host" if cache.geometry.c4_tier == "host" else "device")
     assert kinds == {"device", c4_kind}
+    # What a slot holds reads the same (`read_slot`) whichever memory holds its C4 entries.
+    for slot in range(len(LENGTHS)):
+        got, want = v4.read_slot(cache, slot), v4.read_slot(cache0, slot)
+        assert got.length == want.length == LENGTHS[slot]
+        for name, rows in want.entries.items():
+            np.testing.assert_array_equal(got.entries[name], rows)
 
 
 @pytest.mark.xla_defaults

@@ -105,8 +105,19 @@ class SlotContents:
     online: dict[str, dict[str, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
+def _in_device_memory(tree):
+    """`tree` with every array held in host memory (C4 entries of `c4_tier="host"`) copied to
+    device memory, where an eager gather with device indices can read it."""
+    def move(x):
+        kind = getattr(x.sharding, "memory_kind", None)
+        return x if kind in (None, "device") else jax.device_put(
+            x, x.sharding.with_memory_kind("device"))
+    return jax.tree.map(move, tree)
+
+
 def read_slot(cache: Cache, slot: int) -> SlotContents:
-    """What one slot holds, by entry index and position (for inspection and tests)."""
+    """What one slot holds, by entry index and position (for inspection and tests; C4
+    entries held in host memory are copied to the device to be read)."""
     checks.alive("cache", cache)
     S = cache.geometry.max_slots
     slot = checks.slot(slot, S)
@@ -120,7 +131,7 @@ def read_slot(cache: Cache, slot: int) -> SlotContents:
     for spec in cache.specs:
         epp = cache.geometry.entries_per_page(spec.ratio)
         idx = np.arange(n // spec.ratio)
-        pool = entries(cache, spec)
+        pool = _in_device_memory(entries(cache, spec))
         layers = jnp.arange(pool.lead[0])[:, None]
         rows = pool.take((layers, jnp.asarray(table[idx // epp])[None]),
                          jnp.asarray(idx % epp)[None])
