@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import logging
 import re
@@ -15,6 +16,8 @@ import pytest
 
 import v4kv_jax as v4
 from v4kv_jax import cli, kernel_check, ops
+
+from faults import FaultyDirectory
 
 # Two of the five ops keep the test to seconds (the emissions' interpret-mode programs take
 # the longest to compile); every op runs the same path through `check_kernels`.
@@ -57,6 +60,26 @@ def test_check_prints_each_op_and_records_the_rows_auto_reads(tmp_path, monkeypa
     choice = ops.choose("index_scores", MODEL, GEOMETRY, v4.Options(), backend="cpu")
     assert choice.implementation == "reference"
     assert choice.why.startswith("auto on cpu, as measured on cpu (float32 formats, batch 2")
+
+    # A folder that refuses the write (read-only here), or a table it cannot read: nothing
+    # recorded, the exit status says so, the table keeps its bytes and no partial file stays.
+    kept = table.read_bytes()
+    faults = FaultyDirectory(monkeypatch, table.parent)
+    faults.read_only()
+    assert cli.main(CHECK) == 1
+    out = capsys.readouterr().out
+    assert "Not recorded: the 2 rows for cpu could not be written (OSError: [Errno 30]" in out
+    assert faults.failures["create"] == 1
+    faults.disarm()
+    faults.arm("replace", errno.ENOSPC)
+    assert cli.main(CHECK) == 1 and "could not be written" in capsys.readouterr().out
+    assert table.read_bytes() == kept and sorted(table.parent.iterdir()) == [table]
+    faults.disarm()
+    table.write_text("{not json")
+    assert cli.main(CHECK) == 1
+    assert (f"could not be written (ValueError: {table}: expected the JSON table of measured "
+            "rows") in capsys.readouterr().out and table.read_text() == "{not json"
+    table.write_bytes(kept)
 
     # Rows of a TPU: a kernel that disagreed runs the reference; one that agreed and was
     # faster runs; an op with no row runs its kernel and says so once, as a log line.

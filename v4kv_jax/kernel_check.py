@@ -436,7 +436,13 @@ def command(args) -> int:
         _say(f"Not recorded: \"auto\" on {backend} does not run the {implementation} kernels"
              + (" in interpret mode." if interpret else "."))
     elif results:
-        path, n = record(results), len(rows(results))
+        n = len(rows(results))
+        try:
+            path = record(results)
+        except (OSError, ValueError) as e:
+            _say(f"Not recorded: the {n} row{'' if n == 1 else 's'} for {backend} could not "
+                 f"be written ({type(e).__name__}: {e}); the table is as it was.")
+            return 1
         _say(f"Recorded {n} row{'' if n == 1 else 's'} for {backend} in "
              f"{path}: \"auto\" on {backend} reads them (a disagreeing kernel is not run, "
              "else the faster of the two)"

@@ -24,6 +24,7 @@ import jax
 import jax.extend
 from jax.interpreters import mlir
 
+from v4kv_jax import checks
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -137,18 +138,31 @@ def record(rows: list[dict], path: str | None = None) -> str:
                       "them beside the committed table (v4kv_jax/ops/measured.json) and "
                       "prefers them.", "measurements": []}
     if os.path.exists(path):
-        with open(path) as f:
-            table = json.load(f)
+        try:
+            with open(path) as f:
+                table = json.load(f)
+            table["measurements"] = list(table["measurements"])
+        except (ValueError, TypeError, KeyError) as e:  # kept: it is the user's file
+            checks.fail(path, "the JSON table of measured rows `v4kv check` writes",
+                        f"a file it cannot read ({type(e).__name__}: {e}); move it away to "
+                        "record anew")
     replaced = {(r["platform"], r["op"]) for r in rows}
     kept = [r for r in table["measurements"] if (r["platform"], r["op"]) not in replaced]
     table["measurements"] = sorted(kept + [dict(r) for r in rows],
                                    key=lambda r: (r["platform"], r["op"]))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # Written whole or not at all: "auto" reads this file on every choice.
-    with open(path + ".tmp", "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    os.replace(path + ".tmp", path)
+    # Written whole or not at all: "auto" reads this file on every choice. A failed write
+    # (a full disk, a read-only folder) leaves the table as it was and no partial file.
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", opener=lambda name, flags: os.open(name, flags, 0o644)) as f:
+            json.dump(table, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     return path
 
 
