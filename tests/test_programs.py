@@ -1,4 +1,5 @@
-"""`v4kv_jax.programs`: a call that compiles says so on the "v4kv_jax" logger."""
+"""`v4kv_jax.programs`: a call that compiles says so on the "v4kv_jax" logger; a program traces
+the branches of the platforms it compiles for."""
 
 from __future__ import annotations
 
@@ -107,3 +108,52 @@ def test_compile_cache_turns_the_persistent_cache_on_in_one_line(tmp_path, monke
     finally:
         for name, value in before.items():
             jax.config.update(name, value)
+
+
+def test_a_program_traces_only_the_branches_of_the_platforms_it_compiles_for():
+    """A Program's body traces the `platform_dependent` branch of the platform its arrays are
+    on (a CPU call: the default branch, called directly), and a program called inside it
+    inherits that; a caller's own jit of the same body traces every branch."""
+    import jax
+
+    seen = []
+
+    def body(x):
+        return programs.platform_dependent(
+            x, tpu=lambda x: seen.append("tpu") or x * 2,
+            cuda=lambda x: seen.append("gpu") or x * 3,
+            default=lambda x: seen.append("default") or x + 1)
+
+    assert programs.traced_platforms() is None
+    inner = programs.program("test.platform_inner", body, register=False)
+    outer = programs.program("test.platform_outer", lambda x: inner(x) * 10, register=False)
+    assert outer(jnp.ones(3)).tolist() == [20.0] * 3
+    assert seen == ["default"]
+    seen.clear()
+    assert jax.jit(body)(jnp.ones(3)).tolist() == [2.0] * 3  # the CPU's branch runs
+    assert sorted(seen) == ["default", "gpu", "tpu"]  # all traced
+
+
+def test_the_step_traced_for_the_cpu_holds_no_kernel():
+    """The decode step with "auto", called with arrays on the CPU: the reference only, no
+    Pallas kernel of another platform traced into it (tracing them took over half the
+    step's trace time)."""
+    import jax
+
+    import v4kv_jax as v4
+    from v4kv_jax.testing import compile_sweep as sweep
+
+    model, geometry = v4.tiny(), v4.CacheConfig(num_pages=8, max_slots=2, max_pages_per_seq=4)
+    args = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                        sweep.step_arguments(model, geometry, 2, 1))
+    cache, vectors, weights, slot_ids, n_new = args
+    queries = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                           sweep.step_queries(model, 2, 1))
+    program = programs.PROGRAMS["step.append_and_attend"]
+    text = str(program.trace(cache, vectors, queries, weights, slot_ids, n_new,
+                             options=v4.Options(), mesh=None).jaxpr)
+    assert "pallas_call" not in text and "platform_index" not in text
+    # Outside a Program (a caller's jit), every platform's kernel is traced.
+    traced = jax.jit(lambda *a: v4.append_and_attend(*a)).trace(
+        cache, vectors, queries, weights, slot_ids, n_new)
+    assert "pallas_call" in str(traced.jaxpr)

@@ -22,6 +22,12 @@ which owns:
   meshes     the step programs take a static `mesh` (None: one device); given one, their
              body runs per shard under `jax.shard_map` (`v4kv_jax.mesh.shard_program`): one
              compiled program serves every shard, and no program moves data between shards
+  platforms  the platforms a call compiles for (where its arrays, or the abstract arrays
+             of `trace`, are placed; its mesh's devices) are a static of the program: its
+             body traces only their branches of `platform_dependent` (a CPU program does
+             not trace the TPU and GPU kernels, a TPU program not the GPU kernels), and a
+             call placed elsewhere traces again. A function of the library traced by a
+             caller's own jit traces every platform's branch (`jax.lax.platform_dependent`)
 
 The library's programs, by name (`PROGRAMS`; the Generator makes one per instance):
 
@@ -41,6 +47,7 @@ The library's programs, by name (`PROGRAMS`; the Generator makes one per instanc
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -68,16 +75,25 @@ class Program:
         self._call = None  # the arguments of the call in progress
 
         @functools.wraps(fn)
-        def traced(*args, **kwargs):
+        def traced(*args, v4kv_platforms=None, **kwargs):
             self._traces += 1  # the Python body runs only while jax traces it
             if self._compiling is None and self._outermost():
                 self._compiling = time.perf_counter()
                 log.info("compiling %s (its first call with these shapes and statics)",
                          self.name)
-            return fn(*args, **kwargs)
+            token = _PLATFORMS.set(v4kv_platforms)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _PLATFORMS.reset(token)
 
+        signature = inspect.signature(fn)
+        traced.__signature__ = signature.replace(parameters=[
+            *signature.parameters.values(),
+            inspect.Parameter(_STATIC, inspect.Parameter.KEYWORD_ONLY, default=None)])
         self._jitted = jax.jit(traced, donate_argnames=self.donate,
-                               static_argnames=self.static, keep_unused=keep_unused)
+                               static_argnames=(*self.static, _STATIC),
+                               keep_unused=keep_unused)
         self._params = tuple(inspect.signature(fn).parameters)
         self._donated_at = frozenset(i for i, name in enumerate(self._params)
                                      if name in self.donate)
@@ -100,7 +116,7 @@ class Program:
             if calls.stop_at is self:
                 raise _Stopped(calls)
         try:
-            return self._jitted(*args, **kwargs)
+            return self._jitted(*args, **kwargs, **{_STATIC: _platforms_of(args, kwargs)})
         finally:
             self._call = None
             if self._compiling is not None:
@@ -119,7 +135,7 @@ class Program:
         """The program traced for `args` (arrays or `jax.ShapeDtypeStruct`s, placed where it
         should compile: `v4kv_jax.targets`) and its static `kwargs`; `.lower().compile()`
         compiles it without running it."""
-        return self._jitted.trace(*args, **kwargs)
+        return self._jitted.trace(*args, **kwargs, **{_STATIC: _platforms_of(args, kwargs)})
 
     @property
     def traces(self) -> int:
@@ -267,6 +283,59 @@ def compile_cache(directory: str | os.PathLike | None = None) -> str:
     return path
 
 
+# --- the platforms a program compiles for --------------------------------------------------
+
+# The static a Program passes its jitted body: the platforms its call compiles for.
+_STATIC = "v4kv_platforms"
+# While a Program's body traces: the platforms it compiles for ("cpu", "tpu", "gpu"), or None
+# (unknown: every platform's branch is traced).
+_PLATFORMS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "v4kv_traced_platforms", default=None)
+# `jax.lax.platform_dependent`'s branch names -> the platform (`jax.Device.platform`).
+_BRANCH_PLATFORM = {"cpu": "cpu", "tpu": "tpu", "cuda": "gpu", "rocm": "gpu", "gpu": "gpu"}
+
+
+def _platforms_of(args, kwargs) -> frozenset[str] | None:
+    """The platforms a call with `args` and `kwargs` compiles for: those of the devices its
+    arrays (or placed `jax.ShapeDtypeStruct`s) and its `mesh` are on; inside another
+    program's trace (tracers), that program's; None when nothing says (every platform)."""
+    found = set()
+    for x in jax.tree.leaves((args, kwargs)):
+        if isinstance(x, jax.core.Tracer):
+            continue
+        sharding = getattr(x, "sharding", None) if isinstance(
+            x, (jax.Array, jax.ShapeDtypeStruct)) else None
+        if sharding is not None:
+            found.update(d.platform for d in sharding.device_set)
+    mesh = kwargs.get("mesh")
+    if isinstance(mesh, jax.sharding.Mesh):
+        found.update(d.platform for d in mesh.devices.flat)
+    if not found:
+        return _PLATFORMS.get()
+    return frozenset(_BRANCH_PLATFORM.get(p, p) for p in found)
+
+
+def traced_platforms() -> frozenset[str] | None:
+    """The platforms ("cpu", "tpu", "gpu") the `Program` whose body is tracing compiles for,
+    or None outside one (a caller's own jit: any platform)."""
+    return _PLATFORMS.get()
+
+
+def platform_dependent(*args, default: Callable, **branches: Callable):
+    """`jax.lax.platform_dependent(*args, default=..., **branches)` (branches named by
+    lowering platform: "tpu", "cuda", "rocm", "cpu") that traces only the branches of the
+    platforms the program compiles for (`traced_platforms`): for one platform, its branch
+    (or `default`) is called directly; outside a program, every branch is traced."""
+    platforms = _PLATFORMS.get()
+    if platforms is None:
+        return jax.lax.platform_dependent(*args, default=default, **branches)
+    kept = {name: fn for name, fn in branches.items()
+            if _BRANCH_PLATFORM.get(name, name) in platforms}
+    if len(platforms) == 1:
+        return next(iter(kept.values()), default)(*args)
+    return jax.lax.platform_dependent(*args, default=default, **kept)
+
+
 PROGRAMS: dict[str, Program] = {}
 
 
@@ -292,4 +361,4 @@ def program(name: str, fn: Callable, *, donate: Sequence[str] = (), static: Sequ
 
 
 __all__ = ["PROGRAMS", "Call", "Program", "capture", "committed_together", "compile_cache",
-           "default_cache_dir", "program"]
+           "default_cache_dir", "platform_dependent", "program", "traced_platforms"]

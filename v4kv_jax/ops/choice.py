@@ -1,6 +1,6 @@
 """Which implementation runs each op: the reference, a Pallas kernel, or per platform the
 faster of the two as measured, and the dispatch that traces the choice into a program
-(`jax.lax.platform_dependent` where platforms differ). The ops door (`v4kv_jax.ops`) calls
+(`programs.platform_dependent` where platforms differ). The ops door (`v4kv_jax.ops`) calls
 `_dispatch`; nothing else imports a kernel module.
 
 "auto" reads two tables of measured rows (one per platform and op): the committed
@@ -24,7 +24,7 @@ import jax
 import jax.extend
 from jax.interpreters import mlir
 
-from v4kv_jax import checks
+from v4kv_jax import checks, programs
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -293,9 +293,11 @@ def choices(op: str, model: AttentionConfig, geometry: CacheConfig,
             options: Options | None = None, spec: CompressorSpec | None = None
             ) -> dict[str, Choice]:
     """{platform: the `Choice` for `op` in a program compiled for it}, for "cpu", "tpu" and
-    "gpu". A program traced once holds every distinct choice (`jax.lax.platform_dependent`);
-    the platform it is lowered for (where its arrays are placed, or the devices it is
-    compiled for ahead of time) keeps one. A forced Pallas implementation (not interpret
+    "gpu". A library program traces the choice of the platform it compiles for (where its
+    arrays are placed, or the devices it is compiled for ahead of time:
+    `programs.platform_dependent`); traced by a caller's own jit, the program holds every
+    distinct choice (`jax.lax.platform_dependent`) and the platform it is lowered for keeps
+    one. A forced Pallas implementation (not interpret
     mode) is its own platform's only choice: lowered for another platform, the program
     raises `KernelUnavailableError`. With `Options.interpret` every platform runs what the
     default backend would (interpret-mode kernels call the host, so the program cannot
@@ -372,4 +374,4 @@ def _dispatch(op: str, model: AttentionConfig, geometry: CacheConfig, options: O
                         f"{platform.upper()} backend ({op} runs its Pallas kernel only)")
             return jax.tree.unflatten(tree, out)
 
-    return jax.lax.platform_dependent(default=default, **branches)
+    return programs.platform_dependent(default=default, **branches)

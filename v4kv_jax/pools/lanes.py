@@ -53,6 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from v4kv_jax import programs
+
 LANES = 128  # lanes of a TPU tile: the minor dim of every plane is a multiple of this
 SLOTS = tuple(1 << i for i in range(8))  # slot widths a narrow part may take (1 .. 128)
 
@@ -237,7 +239,7 @@ def _blocks(plane: jax.Array, index):
 
         if not all(isinstance(i, (int, np.integer, jax.Array, np.ndarray)) for i in index[1:]):
             return on_tpu(plane, first, index[1:])
-        return jax.lax.platform_dependent(plane, first, index[1:], tpu=on_tpu,
+        return programs.platform_dependent(plane, first, index[1:], tpu=on_tpu,
                                           default=elsewhere)
     gathered = any(getattr(i, "ndim", 0) > 0 for i in index)
     if (plane.shape[-2] == 1 and gathered and len(index) == plane.ndim - 2
@@ -338,7 +340,7 @@ class Lanes:
 
         if self.map.records > 1:
             return whole(self.planes, index)
-        return jax.lax.platform_dependent(self.planes, index, tpu=whole, default=one_record)
+        return programs.platform_dependent(self.planes, index, tpu=whole, default=one_record)
 
     def locate(self, record) -> tuple[tuple[jax.Array, jax.Array], ...]:
         """Per part, (lane row, first lane) of record(s) `record` (an int array); a record
@@ -374,7 +376,7 @@ class Lanes:
         if record is None:  # located only (`at`): the lane gather, on any platform
             pieces = on_tpu(self.planes, index, None, at)
         else:
-            pieces = jax.lax.platform_dependent(self.planes, index,
+            pieces = programs.platform_dependent(self.planes, index,
                                                 jnp.asarray(record, jnp.int32), at,
                                                 tpu=on_tpu, default=elsewhere)
         return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
@@ -412,7 +414,7 @@ class Lanes:
         if record is None:  # located only (`at`): the lane scatter, on any platform
             planes = on_tpu(self.planes, index, None, values, at)
         else:
-            planes = jax.lax.platform_dependent(self.planes, index,
+            planes = programs.platform_dependent(self.planes, index,
                                                 jnp.asarray(record, jnp.int32), values, at,
                                                 tpu=on_tpu, default=elsewhere)
         return Lanes(tuple(planes), self.map)
