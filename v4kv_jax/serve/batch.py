@@ -35,7 +35,14 @@ from v4kv_jax.pools import Cache
 from v4kv_jax.serve import clock, protocol
 from v4kv_jax.serve.manager import PoolExhaustedError, SlotFlaggedError
 from v4kv_jax.serve.request import Request
-from v4kv_jax.serve.sampling import penalize, row_keys, sample, token_logprobs
+from v4kv_jax.serve.sampling import (
+    no_logprobs,
+    penalize,
+    penalizes,
+    row_keys,
+    sample,
+    token_logprobs,
+)
 from v4kv_jax.serve.shards import Shards
 
 
@@ -48,7 +55,8 @@ class StepBatch:
     key: u32[S, 2] each slot's sampling stream, draw: i32[S] the index of the token it draws
     (its key is fold_in(key, draw)), temperature, top_k, top_p, min_p: f32/i32/f32/f32[S] its
     options (`v4kv_jax.serve.sampling`), repetition, presence, frequency: f32[S] its
-    penalties, drawing: i32[S] 1 where the row draws a token in this step.
+    penalties, drawing: i32[S] 1 where the row draws a token in this step, logprobs: i32[S]
+    1 where its request asks for log-probabilities.
     """
 
     replay_tokens: jax.Array
@@ -71,6 +79,7 @@ class StepBatch:
     presence: jax.Array
     frequency: jax.Array
     drawing: jax.Array
+    logprobs: jax.Array
 
 
 def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBatch,
@@ -80,7 +89,9 @@ def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBat
     are those of its prefill chunk's last token or of its decode token, its token drawn by
     `sampling.sample` with its key and options from the logits with its penalties
     (`counts`, i32[S, V], and `in_prompt`, bool[S, V]; the drawn tokens are added to
-    `counts`), and the log-probabilities of the logits (`sampling.token_logprobs`).
+    `counts`), and the log-probabilities of the logits (`sampling.token_logprobs`; zeros in a
+    step where no row asks for them). A step whose rows have no penalty and ask for no
+    log-probabilities skips both (a branch taken at run time: one program serves all).
 
     With a `mesh`, every shard runs this on its own cache and rows (the batch's rows are the
     shards' rows end to end, each shard's slot ids its own); params are replicated.
@@ -119,12 +130,17 @@ def _step(graphdef, options: Options, mesh, params, cache: Cache, batch: StepBat
     cache, decode_logits = jax.lax.cond(jnp.any(batch.decode_n > 0), decode,
                                         lambda c: (c, none), cache)
     logits = jnp.where((batch.prefill_n > 0)[:, None], prefill_logits, decode_logits)
-    penalized = penalize(logits, counts, in_prompt, batch.repetition, batch.presence,
-                         batch.frequency)
+    penalized = jax.lax.cond(
+        jnp.any(penalizes(batch.repetition, batch.presence, batch.frequency)),
+        lambda x: penalize(x, counts, in_prompt, batch.repetition, batch.presence,
+                           batch.frequency),
+        lambda x: x, logits)
     nxt = sample(penalized, row_keys(batch.key, batch.draw), batch.temperature, batch.top_k,
                  batch.top_p, batch.min_p)
     counts = counts.at[rows, jnp.where(batch.drawing > 0, nxt, V)].add(1, mode="drop")
-    return (cache, nxt, logits, counts, *token_logprobs(logits, nxt))
+    scores = jax.lax.cond(jnp.any(batch.logprobs > 0), token_logprobs, no_logprobs, logits,
+                          nxt)
+    return (cache, nxt, logits, counts, *scores)
 
 
 _step_jit = programs.program("engine.step", _step, donate=("cache", "counts"),
@@ -206,6 +222,7 @@ class StepProgram:
             ("decode_n", (), 0), ("draw", (), 0), ("top_k", (), 0))}
         keys = np.zeros((S, 2), np.uint32)
         rows["drawing"] = np.zeros((S,), np.int32)
+        rows["logprobs"] = np.zeros((S,), np.int32)
         reals = {name: np.full((S,), fill, np.float32) for name, fill in (
             ("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition", 1.0),
             ("presence", 0.0), ("frequency", 0.0))}
@@ -215,6 +232,7 @@ class StepProgram:
             s, phase = self.row(req), req.phase()
             keys[s], rows["draw"][s] = req.key, len(req.generated)
             rows["top_k"][s] = req.sampling.top_k
+            rows["logprobs"][s] = int(req.sampling.logprobs is not None)
             for name, field in _REALS.items():
                 reals[name][s] = getattr(req.sampling, field)
             if phase == "decode":

@@ -46,6 +46,7 @@ from v4kv_jax.serve.request import Completion, check_prompt
 from v4kv_jax.serve.sampling import (
     SamplingParams,
     penalize,
+    penalizes,
     row_keys,
     sample,
     sample_stream,
@@ -110,7 +111,10 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
 
     def draw(logits, i, counts, drawing):
         """(tokens, -1 where not `drawing`; their log-probabilities and top ones; counts)."""
-        penalized = penalize(logits, counts, in_prompt, repetition, presence, frequency)
+        penalized = jax.lax.cond(
+            jnp.any(penalizes(repetition, presence, frequency)),
+            lambda x: penalize(x, counts, in_prompt, repetition, presence, frequency),
+            lambda x: x, logits)
         token = jnp.where(drawing, sample(penalized, row_keys(keys, i), temperature, top_k,
                                           top_p, min_p), -1)
         counts = counts.at[rows, jnp.where(drawing, token, V)].add(1, mode="drop")

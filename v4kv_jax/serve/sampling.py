@@ -200,6 +200,20 @@ def penalize(logits: jax.Array, counts: jax.Array, in_prompt: jax.Array,
             - frequency[:, None] * counts.astype(jnp.float32))
 
 
+def penalizes(repetition: jax.Array, presence: jax.Array, frequency: jax.Array) -> jax.Array:
+    """bool[B]: the rows whose penalties change their logits (`penalize` is the identity,
+    bit for bit, on the others)."""
+    return (repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)
+
+
+def no_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Zeros shaped as `token_logprobs(logits, tokens)` (a step where no row asks)."""
+    B, K = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+    del tokens
+    return (jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32),
+            jnp.zeros((B, K), jnp.float32))
+
+
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(f32[B] the log-probability of tokens[b], i32[B, K] the K = min(MAX_LOGPROBS, V) most
     likely tokens, f32[B, K] theirs, most likely first) under log_softmax(logits)."""
@@ -257,5 +271,5 @@ def row_keys(keys: jax.Array, draw) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, draw)
 
 
-__all__ = ["MAX_LOGPROBS", "SAMPLE_STREAMS", "SamplingParams", "penalize",
-           "row_keys", "sample", "sample_stream", "stream_key", "token_logprobs"]
+__all__ = ["MAX_LOGPROBS", "SAMPLE_STREAMS", "SamplingParams", "no_logprobs", "penalize",
+           "penalizes", "row_keys", "sample", "sample_stream", "stream_key", "token_logprobs"]
