@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import checks, pools
+from v4kv_jax import checks, pools, programs
 from v4kv_jax.config import (
     IMPLEMENTATIONS,
     KERNEL_OPS,
@@ -305,6 +305,16 @@ class WindowKeys:
             return self.ring.records()
         return self.ring.block_records((self.layer, self.slots))
 
+    def ordered(self) -> jax.Array:
+        """The rows' rings ordered by position, [B, W, sw]: row e holds position end - W + e
+        (`attention.ordered_rings`)."""
+        if self.layer is None:
+            index = (jnp.arange(self.end.shape[0], dtype=jnp.int32),)
+            return programs.platform_dependent(
+                tpu=lambda: attention.ordered_window(self.records(), self.end),
+                default=lambda: attention.ordered_rings(self.ring, index, self.end))
+        return attention.ordered_rings(self.ring, (self.layer, self.slots), self.end)
+
 
 @struct.dataclass
 class Stored:
@@ -519,7 +529,7 @@ def _read_tiles(kind, model, geometry, options, fixed, queries, q_pos, kv_end, w
     """A chunk of queries, `options.query_tile` at a time (bounds memory, not results): each
     tile reads the W keys before its first query and its own."""
     W = model.window
-    keys = attention.ordered_window(window.records(), window.end)
+    keys = window.ordered()
     if window.chunk is not None:
         keys = jnp.concatenate([keys, window.chunk], axis=1)
     base = window.end - W

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import checks, rope
+from v4kv_jax import checks, programs, rope
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options
 from v4kv_jax.pools import paging, storage
 from v4kv_jax.pools.layout import visible_entries
@@ -139,11 +139,31 @@ def _fold_picks(state: _Softmax, q: jax.Array, key_sets, join: bool, entries: ja
     return jax.lax.switch(paging.prefix_bucket(sizes, last), [fold(s) for s in sizes], state)
 
 
+def _ring_order(W: int, kv_end: jax.Array) -> jax.Array:
+    """i32[B, W]: the ring row of position kv_end - W + e, for each e."""
+    return (kv_end[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]) % W
+
+
 def ordered_window(ring: jax.Array, kv_end: jax.Array) -> jax.Array:
     """Ring rows [B, W, sw] -> rows ordered by position: row e is position kv_end - W + e."""
-    W = ring.shape[1]
-    rows = (kv_end[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]) % W
-    return jnp.take_along_axis(ring, rows[..., None], axis=1)
+    return jnp.take_along_axis(ring, _ring_order(ring.shape[1], kv_end)[..., None], axis=1)
+
+
+def ordered_rings(ring, index: tuple, kv_end: jax.Array) -> jax.Array:
+    """[B, W, sw]: the rings of blocks `index` of `ring` (`pools.Lanes`; one index per
+    leading dim, each a scalar or i32[B]), ordered by position (`ordered_window`). On a TPU
+    the blocks are gathered whole, then ordered; elsewhere each row is taken from its ring
+    slot directly (one gather per lane part, not the ring and then its order)."""
+    W = ring.map.records
+
+    def whole():
+        return ordered_window(ring.block_records(index), kv_end)
+
+    def rows():
+        return ring.take(tuple(i if jnp.ndim(i) == 0 else i[:, None] for i in index),
+                         _ring_order(W, kv_end))
+
+    return programs.platform_dependent(tpu=whole, default=rows)
 
 
 def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind: LayerKind, *,
@@ -224,10 +244,10 @@ def attend(model: AttentionConfig, geometry: CacheConfig, options: Options, kind
 
 def _decode(model, geometry, options, kind, q, sink, window, window_layer, slot_ids, q_pos,
             kv_end, entries, entry_layer, page_rows, picks=None):
-    ring = window.block_records((window_layer, slot_ids))
     out = attend(model, geometry, options, kind, layer=entry_layer, entries=entries,
                  page_rows=page_rows, q=q[:, None], sink=sink, q_pos=q_pos[:, None],
-                 kv_end=kv_end, window_keys=ordered_window(ring, kv_end),
+                 kv_end=kv_end,
+                 window_keys=ordered_rings(window, (window_layer, slot_ids), kv_end),
                  window_base=kv_end - model.window,
                  picks=None if picks is None else picks[:, None])
     return out[:, 0]
