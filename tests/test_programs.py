@@ -110,6 +110,17 @@ def test_compile_cache_turns_the_persistent_cache_on_in_one_line(tmp_path, monke
             jax.config.update(name, value)
 
 
+def _branches(seen: list):
+    """A body of three platform branches that note which were traced."""
+    def body(x):
+        return programs.platform_dependent(
+            x, tpu=lambda x: seen.append("tpu") or x * 2,
+            cuda=lambda x: seen.append("gpu") or x * 3,
+            default=lambda x: seen.append("default") or x + 1)
+
+    return body
+
+
 def test_a_program_traces_only_the_branches_of_the_platforms_it_compiles_for():
     """A Program's body traces the `platform_dependent` branch of the platform its arrays are
     on (a CPU call: the default branch, called directly), and a program called inside it
@@ -117,13 +128,7 @@ def test_a_program_traces_only_the_branches_of_the_platforms_it_compiles_for():
     import jax
 
     seen = []
-
-    def body(x):
-        return programs.platform_dependent(
-            x, tpu=lambda x: seen.append("tpu") or x * 2,
-            cuda=lambda x: seen.append("gpu") or x * 3,
-            default=lambda x: seen.append("default") or x + 1)
-
+    body = _branches(seen)
     assert programs.traced_platforms() is None
     inner = programs.program("test.platform_inner", body, register=False)
     outer = programs.program("test.platform_outer", lambda x: inner(x) * 10, register=False)
@@ -157,3 +162,17 @@ def test_the_step_traced_for_the_cpu_holds_no_kernel():
     traced = jax.jit(lambda *a: v4.append_and_attend(*a)).trace(
         cache, vectors, queries, weights, slot_ids, n_new)
     assert "pallas_call" in str(traced.jaxpr)
+
+
+def test_a_gpu_program_leaves_cuda_or_rocm_to_lowering():
+    """A program for a GPU traces the GPU branches and the default (a ROCm GPU lowers the
+    default where a branch is CUDA's), never the TPU's."""
+    import jax
+
+    seen = []
+    token = programs._PLATFORMS.set(frozenset({"gpu"}))
+    try:
+        jax.make_jaxpr(_branches(seen))(jnp.ones(3))
+    finally:
+        programs._PLATFORMS.reset(token)
+    assert sorted(seen) == ["default", "gpu"]

@@ -324,15 +324,16 @@ def traced_platforms() -> frozenset[str] | None:
 def platform_dependent(*args, default: Callable, **branches: Callable):
     """`jax.lax.platform_dependent(*args, default=..., **branches)` (branches named by
     lowering platform: "tpu", "cuda", "rocm", "cpu") that traces only the branches of the
-    platforms the program compiles for (`traced_platforms`): for one platform, its branch
-    (or `default`) is called directly; outside a program, every branch is traced."""
+    platforms the program compiles for (`traced_platforms`): for a CPU or a TPU alone, its
+    branch (or `default`) is called directly; outside a program, every branch is traced."""
     platforms = _PLATFORMS.get()
     if platforms is None:
         return jax.lax.platform_dependent(*args, default=default, **branches)
     kept = {name: fn for name, fn in branches.items()
             if _BRANCH_PLATFORM.get(name, name) in platforms}
-    if len(platforms) == 1:
+    if platforms in ({"cpu"}, {"tpu"}):
         return next(iter(kept.values()), default)(*args)
+    # A GPU is CUDA or ROCm, which only lowering tells apart: it picks among the GPU branches.
     return jax.lax.platform_dependent(*args, default=default, **kept)
 
 
