@@ -169,16 +169,21 @@ def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options
                           index_weights, q_pos, kv_end, layout, merge, init)
     picks = finish_topk(best)
     # `topk_of_scores` picks every candidate of a prefix of at most k entries in id order
-    # (no selection): the same picks, placed at their ids.
+    # (no selection): the same picks, placed at their ids. There every candidate is picked,
+    # so entry id j < k is picked exactly where its score is not -inf: visible to the query
+    # and on a page of the row (the mask of `_scored_chunks`), computed here without the
+    # picks (a scatter of B x T x k picks, which XLA:TPU compiles as a sort of them).
+    m = model.csa_ratio
+    epp = geometry.entries_per_page(m)
     sizes = paging.prefix_sizes(score_capacity(model, geometry, options, page_rows.shape[1]),
-                                geometry.entries_per_page(model.csa_ratio))
-    size = jnp.asarray(sizes, jnp.int32)[
-        paging.prefix_bucket(sizes, jnp.max(kv_end // model.csa_ratio))]
-    rows = jnp.arange(batch)[:, None, None], jnp.arange(tokens)[None, :, None]
-    held = jnp.zeros((batch, tokens, k), bool).at[(*rows, jnp.where(picks < 0, k, picks))].set(
-        True, mode="drop")
-    in_order = jnp.where(held, jnp.arange(k, dtype=jnp.int32), -1)
-    return jnp.where(size <= k, in_order, picks)
+                                epp)
+    size = jnp.asarray(sizes, jnp.int32)[paging.prefix_bucket(sizes, jnp.max(kv_end // m))]
+    ids = jnp.arange(k, dtype=jnp.int32)
+    pages = ids // epp
+    on_page = (pages < page_rows.shape[1]) & (
+        page_rows[:, jnp.minimum(pages, page_rows.shape[1] - 1)] >= 0)
+    held = (ids < visible_entries(q_pos, kv_end, m)[..., None]) & on_page[:, None, :]
+    return jnp.where(size <= k, jnp.where(held, ids, -1), picks)
 
 
 def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: int
