@@ -75,6 +75,15 @@ def admitted_shards(geometry, mesh, shards=None):
                       for i in range(mesh.size)}, mesh)
 
 
+def poison_on_home(cache, **kwargs):
+    """`synthetic.poison_unowned` of a cache on any device (and memory), poisoned on HOME
+    and put back where each array was."""
+    home = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.SingleDeviceSharding(
+        HOME, memory_kind=x.sharding.memory_kind)), cache)
+    poisoned = synthetic.poison_unowned(home, **kwargs)
+    return jax.tree.map(lambda new, old: jax.device_put(new, old.sharding), poisoned, cache)
+
+
 def poison_shards(cache, mesh):
     return on_shards({i: synthetic.poison_unowned(jax.device_put(c, HOME))
                       for i, c in meshes.split(cache, mesh).items()}, mesh)
@@ -281,7 +290,7 @@ def test_engine_over_eight_shards(mesh, tmp_path, monkeypatch):
         for out in eng.step():
             outputs[out.request_id] = out
         for shard in eng.shards:
-            shard.cache = synthetic.poison_unowned(
+            shard.cache = poison_on_home(
                 shard.cache, held_pages=list(shard.prefix_cache.index.pages().values()))
     hit = eng.add_request(base[:280] + [1, 2], 3)  # two full pages of `first` are cached
     eng.step()
