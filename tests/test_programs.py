@@ -164,6 +164,11 @@ def test_the_step_traced_for_the_cpu_holds_no_kernel():
     assert "pallas_call" in str(traced.jaxpr)
 
 
+def test_a_branch_that_is_not_callable_is_named():
+    with pytest.raises(TypeError, match=r"^tpu: expected a callable \(a branch\); got int$"):
+        programs.platform_dependent(jnp.ones(3), tpu=3, default=lambda x: x)
+
+
 def test_a_gpu_program_leaves_cuda_or_rocm_to_lowering():
     """A program for a GPU traces the GPU branches and the default (a ROCm GPU lowers the
     default where a branch is CUDA's), never the TPU's."""

@@ -326,6 +326,9 @@ def platform_dependent(*args, default: Callable, **branches: Callable):
     lowering platform: "tpu", "cuda", "rocm", "cpu") that traces only the branches of the
     platforms the program compiles for (`traced_platforms`): for a CPU or a TPU alone, its
     branch (or `default`) is called directly; outside a program, every branch is traced."""
+    for name, fn in (("default", default), *branches.items()):
+        if not callable(fn):
+            checks.fail(name, "a callable (a branch)", type(fn).__name__, TypeError)
     platforms = _PLATFORMS.get()
     if platforms is None:
         return jax.lax.platform_dependent(*args, default=default, **branches)
