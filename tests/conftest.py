@@ -6,6 +6,7 @@ once per test session; the chunking itself varies through `n_new`, never through
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import hypothesis
@@ -182,6 +183,24 @@ def run_chunks(cache, data: synthetic.SyntheticBatch, plan, rows=None, slot_ids=
                                  options=options)
         done += counts
     return cache, out
+
+
+@contextlib.contextmanager
+def lowerings(name: str):
+    """The programs jax lowers while inside, named `name` (one per executable it makes, from
+    XLA or the persistent cache), counted into the list it yields."""
+    made = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and name in str(
+                kwargs.get("fun_name")):
+            made.append(kwargs["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield made
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def positions(starts, chunk):

@@ -33,7 +33,7 @@ from v4kv_jax.serve.engine import Engine
 from v4kv_jax.serve.sampling import row_keys, sample, sample_stream, stream_key
 from v4kv_jax.testing import synthetic
 
-from conftest import GEOMETRY
+from conftest import GEOMETRY, lowerings
 from test_sampling import np_logprobs, np_penalize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,14 +131,20 @@ def test_hits_of_every_depth():
 
 def test_hits_with_the_c4_entries_in_host_memory():
     """HiSparse with the prefix cache on: the shared pages' C4 entries live on the host, a
-    hit starts with an empty hot set and equals the cold run and the all-on-device engine."""
+    hit starts with an empty hot set and equals the cold run and the all-on-device engine.
+    One compilation serves every step (the step's carried arrays, penalty rows included,
+    are placed as the cache is, which is committed throughout)."""
     geometry = dataclasses.replace(GEOMETRY, c4_tier="host")  # 2 x index_topk hot rows
     eng = Engine(DECODER, geometry, prefill_chunk=CHUNK, keep_logits=True)
-    eng.generate([BASE[:450]], 2)
     prompt = BASE[:400] + [1, 2, 3]
-    (hit,) = eng.generate([prompt], 4)
-    assert restore(hit) == (384, 0, "snapshot", "device")
-    assert_same(hit, cold(eng, prompt))
+    with lowerings("_step") as made:
+        eng.generate([BASE[:450]], 2)
+        (hit,) = eng.generate([prompt], 4)
+        assert restore(hit) == (384, 0, "snapshot", "device")
+        assert_same(hit, cold(eng, prompt))
+        eng.generate([BASE[:40]], 2, repetition_penalty=1.5)
+        eng.generate([BASE[:40]], 2)
+    assert len(made) == 1, made
     (on_device,) = engine().generate([prompt], 4)
     assert_same(hit, on_device)
     assert pools.csa_entries(eng.cache).c4.sharding.memory_kind == "pinned_host"

@@ -10,7 +10,6 @@ against each other, at the suite's flags (tests/conftest.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import hypothesis
@@ -28,7 +27,7 @@ from v4kv_jax.ops import hot
 from v4kv_jax.serve.engine import Engine
 from v4kv_jax.testing import synthetic
 
-from conftest import MODEL, OPTIONS, chunk_plan, new_cache, positions, run_chunks
+from conftest import MODEL, OPTIONS, chunk_plan, lowerings, new_cache, positions, run_chunks
 
 LENGTHS = [300, 211]
 # Prefill chunks of 32 (two query tiles of 16), then decode steps, then a chunk again.
@@ -354,24 +353,6 @@ def test_hot_rows_must_hold_a_whole_top_k():
         geometry(-1)
 
 
-@contextlib.contextmanager
-def lowerings(name: str):
-    """The programs jax lowers while inside, named `name` (one per executable it makes, from
-    XLA or the persistent cache), counted into the list it yields."""
-    made = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and name in str(
-                kwargs.get("fun_name")):
-            made.append(kwargs["fun_name"])
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield made
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
 @pytest.mark.parametrize("c4_tier", ["host", "device"])
 def test_one_executable_serves_every_step_in_either_tier(c4_tier):
     # A model and geometry of this test only: its first step compiles here.
@@ -379,8 +360,10 @@ def test_one_executable_serves_every_step_in_either_tier(c4_tier):
     cache = v4.init_cache(model, v4.CacheConfig(num_pages=2, max_slots=1, max_pages_per_seq=2,
                                                 c4_tier=c4_tier))
     # Committed throughout with the C4 entries on the host (as the step returns it), else
-    # not at all (as the step returns it then).
+    # not at all (as the step returns it then); no array weakly typed (a program returns
+    # its arrays strongly typed: the next call would compile again).
     assert {x.committed for x in jax.tree.leaves(cache)} == {c4_tier == "host"}
+    assert not any(x.weak_type for x in jax.tree.leaves(cache))
     cache = v4.reset_slot(cache, 0)
     # Zero vectors and weights: nothing to draw or compile but the step.
     vectors = v4.TokenVectors(
@@ -398,3 +381,6 @@ def test_one_executable_serves_every_step_in_either_tier(c4_tier):
     assert step._append_all_jit.traces == traces + 1
     np.testing.assert_array_equal(pools.lengths(cache), [3])
     assert {x.committed for x in jax.tree.leaves(cache)} == {c4_tier == "host"}
+    # Poisoned, it keeps its placement (the programs it goes to compile once).
+    poisoned = synthetic.poison_unowned(cache)
+    assert {x.committed for x in jax.tree.leaves(poisoned)} == {c4_tier == "host"}

@@ -365,7 +365,7 @@ def init_cache(model: AttentionConfig, geometry: CacheConfig) -> Cache:
         pages=paging.PageState.create(geometry.num_pages, S, geometry.max_pages_per_seq),
         state=StatePool(
             lengths=jnp.zeros((S,), jnp.int32),
-            status=jnp.full((S,), SlotStatus.FREE, jnp.int32),
+            status=jnp.full((S,), int(SlotStatus.FREE), jnp.int32),  # not weakly typed
             window=fixed.lanes["window"].zeros((model.num_layers, S)),
             csa=CSATails(main=tails["csa"], index=tails["csa_index"]),
             hca=tails["hca"],

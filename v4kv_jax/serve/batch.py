@@ -202,8 +202,14 @@ class StepProgram:
         self.max_seq_len = geometry.max_seq_len
         self.vocab_size = protocol.merge(graphdef, params).vocab_size
         S, V = self.max_slots * shards, self.vocab_size
-        put = jnp.asarray if mesh is None else functools.partial(meshes.put,
-                                                                 sharding=meshes.by_shard(mesh))
+        if mesh is not None:
+            put = functools.partial(meshes.put, sharding=meshes.by_shard(mesh))
+        elif geometry.c4_tier == "host":
+            # Placed as the cache is (committed throughout: `init_cache`), which the step
+            # returns them as: else its second call compiles the program again.
+            put = functools.partial(jax.device_put, device=jax.memory.Space.Device)
+        else:
+            put = jnp.asarray
         self.counts, self.in_prompt = put(np.zeros((S, V), np.int32)), put(np.zeros((S, V), bool))
 
     def row(self, req: Request) -> int:

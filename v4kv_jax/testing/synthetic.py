@@ -291,7 +291,12 @@ def poison_unowned(cache: Cache, value: float = float("nan"), held_pages=()) -> 
         which no one may read) set to rows that decode to `value`; on the device (the
         accessors put it back in its tier)."""
         row = _filled(codec, value)
-        rows = jnp.where(jnp.asarray(mask), jax.device_put(x, jax.memory.Space.Device).records(),
+        on_host = any(getattr(p.sharding, "memory_kind", None) != "device"
+                      for p in jax.tree.leaves(x))
+        # Host planes onto the device; device planes as they are (uncommitted ones stay so:
+        # the cache keeps its placement, and the programs it goes to one compilation).
+        rows = jnp.where(jnp.asarray(mask),
+                         (jax.device_put(x, jax.memory.Space.Device) if on_host else x).records(),
                          row)
         return x.map.pack(rows, pad=row[0])
 
