@@ -83,11 +83,26 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     at = jnp.where(jnp.arange(buffer)[None] < prompt_lengths[:, None], prompts, V)
     in_prompt = jnp.zeros((batch, V), bool).at[rows[:, None], at].set(True, mode="drop")
 
-    def prefill(cache, last, begin, end):
-        """Prefills prompts[b, begin[b]:end[b]] of every row, in chunks from begin."""
+    def prefill_forks(cache, last):
+        """Prefills every prompt in chunks, in one loop (one model call in the program):
+        first rows that do not fork prefill [0, split[b]), then the forks take their pages
+        and State, then every row prefills [split[b], prompt_lengths[b])."""
+        first_end = jnp.where(fork_from < 0, split, 0)
+        forks = jnp.any(fork_from >= 0)
+        first = (jnp.max(first_end) + prefill_chunk - 1) // prefill_chunk
+        second = (jnp.max(prompt_lengths - split) + prefill_chunk - 1) // prefill_chunk
+        # At least one trip past the first phase where a row forks: the forks run there.
+        second = jnp.where(forks, jnp.maximum(second, 1), second)
+
         def chunk(i, carry):
             cache, last = carry
-            start = begin + i * prefill_chunk
+            later = i >= first
+            cache = jax.lax.cond(forks & (i == first),
+                                 lambda c: jax.lax.fori_loop(0, batch, fork, c), lambda c: c,
+                                 cache)
+            begin = jnp.where(later, split, 0)
+            end = jnp.where(later, prompt_lengths, first_end)
+            start = begin + jnp.where(later, i - first, i) * prefill_chunk
             at = jnp.clip(start[:, None] + jnp.arange(prefill_chunk)[None], 0, buffer - 1)
             n_new = jnp.clip(end - start, 0, prefill_chunk)
             cache, h = protocol.chunk(model, jnp.take_along_axis(prompts, at, axis=1), cache,
@@ -97,8 +112,7 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
             last = jnp.where(here[:, None], h[rows, jnp.clip(at, 0, prefill_chunk - 1)], last)
             return cache, last
 
-        trips = (jnp.max(end - begin) + prefill_chunk - 1) // prefill_chunk
-        return jax.lax.fori_loop(0, trips, chunk, (cache, last))
+        return jax.lax.fori_loop(0, first + second, chunk, (cache, last))
 
     def fork(b, cache):
         """Row b takes the pages and State of row fork_from[b] at split[b] (none: -1)."""
@@ -123,13 +137,7 @@ def _generate(graphdef, max_new_tokens: int, prefill_chunk: int, options: Option
     def stops(token):
         return jnp.any(token[:, None] == stop_ids, axis=1)
 
-    last = jnp.zeros((batch, protocol.width(model)), jnp.float32)
-    start = jnp.zeros_like(split)
-    cache, last = prefill(cache, last, start, jnp.where(fork_from < 0, split, 0))
-    cache = jax.lax.cond(jnp.any(fork_from >= 0),
-                         lambda c: jax.lax.fori_loop(0, batch, fork, c), lambda c: c, cache)
-    cache, last = prefill(cache, last, split, prompt_lengths)
-
+    cache, last = prefill_forks(cache, jnp.zeros((batch, protocol.width(model)), jnp.float32))
     active = prompt_lengths > 0
     token, scores, counts = draw(protocol.head(model, last), 0, jnp.zeros((batch, V), jnp.int32),
                                  active)
