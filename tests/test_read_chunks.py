@@ -132,8 +132,31 @@ def test_a_chunks_running_top_k_equals_the_whole_rows(k, lengths, ties):
 
     whole, running = picks(indexer.index_topk), picks(indexer.running_topk)
     np.testing.assert_array_equal(running, whole)
-    scores = -np.sort(-picks(indexer.index_scores), axis=-1)
+    # Both merge chunk by chunk; numpy's stable sort of the whole prefix says what they must.
+    row_scores = picks(indexer.index_scores)
+    np.testing.assert_array_equal(whole, np_picks(
+        row_scores, np.asarray(lengths) // model.csa_ratio, k,
+        GEOMETRY.entries_per_page(model.csa_ratio)))
+    scores = -np.sort(-row_scores, axis=-1)
     if ties:  # equal scores across the k-th pick: the cut is decided by id
         assert (scores[..., k - 1] == scores[..., k]).any()
     if k == 64 and not ties:  # fewer candidates than k: -1s among the picks
         assert (whole == -1).any() and not np.isfinite(scores[..., k - 1]).all()
+
+
+def np_picks(scores: np.ndarray, num_entries: np.ndarray, k: int, smallest: int) -> np.ndarray:
+    """The indexer's picks by hand: over the shortest prefix of `smallest` * 2^j ids (or the
+    row) holding every written entry, every candidate in id order if it has at most k ids,
+    else the k best, ties to the lower id (a stable sort); -1 where none."""
+    C = scores.shape[-1]
+    size = smallest
+    while size < min(C, int(num_entries.max())):
+        size *= 2
+    size = min(size, C)
+    out = np.full(scores.shape[:-1] + (k,), -1, np.int64)
+    for at in np.ndindex(*scores.shape[:-1]):
+        row = scores[at][:size]
+        order = np.arange(size) if size <= k else np.argsort(-row, kind="stable")[:k]
+        ids = [i for i in order if row[i] > -np.inf]
+        out[at][:len(ids)] = ids
+    return out

@@ -109,10 +109,10 @@ CACHE_PROGRAMS = {
 }
 
 
-# 4k tokens a slot: XLA:TPU's code generation takes longer the longer the context (the tiny
-# decode step for a v5e: 7 s at 4k, 19 s at 32k, 45 s at 128k on 2 cores), while what these
-# tests hold (no copy, temporaries against the cache) does not depend on it: that the
-# temporaries do not grow with the context is test_temporaries_do_not_grow_with_the_context's.
+# 4k tokens a slot: what these tests hold (no copy, temporaries against the cache) does not
+# depend on the context (the tiny decode step compiles for a v5e in about 2 s at 4k, 32k and
+# 128k alike, one sort each), and that the temporaries do not grow with it is
+# test_temporaries_do_not_grow_with_the_context's.
 def _cache_geometry(formats: str, context: int = 4096, slots: int = 16) -> v4.CacheConfig:
     pages = context // 128
     return v4.CacheConfig.with_formats(formats, num_pages=slots * pages + 1, max_slots=slots,

@@ -190,9 +190,15 @@ def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: 
                    ) -> jax.Array:
     """i32[B, T, k]: the top-k entry ids of a score row (-inf = not a candidate, -1 = unused).
 
-    One `lax.top_k` runs over the shortest power-of-two prefix (from `smallest` up) that holds
-    every entry id below max(num_entries), chosen at run time by `lax.switch`, so the
-    selection follows the context, not the capacity.
+    The selection follows the context, not the capacity: it runs over the shortest
+    power-of-two prefix (from `smallest` up) that holds every entry id below
+    max(num_entries). A prefix of at most k ids is picked whole, in id order (no selection);
+    a longer one chunk by chunk, each chunk's scores merged into the best k so far (one
+    `lax.top_k` over k + chunk, in a loop over the prefix's chunks), equal element for
+    element to one `lax.top_k` over the prefix: chunks come in id order and `lax.top_k`
+    keeps the earlier of equal scores (`running_topk`). XLA:TPU compiles a top-k as a sort,
+    and a sort takes seconds to compile: one sort of k + chunk scores, whatever the capacity,
+    instead of one per prefix size.
 
     Args:
       scores: f32[B, T, capacity].
@@ -200,20 +206,32 @@ def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: 
       k: picks per query.
       smallest: the smallest prefix (one page of entries).
     """
-    sizes = paging.prefix_sizes(scores.shape[-1], smallest)
+    B, T, C = scores.shape
+    sizes = paging.prefix_sizes(C, smallest)
+    size = jnp.asarray(sizes, jnp.int32)[paging.prefix_bucket(sizes, jnp.max(num_entries))]
+    # A prefix of at most k ids: every candidate, in id order.
+    few = min(k, C)
+    pad = ((0, 0), (0, 0), (0, k - few))
+    whole = (jnp.pad(scores[..., :few], pad, constant_values=-jnp.inf),
+             jnp.pad(jnp.broadcast_to(jnp.arange(few, dtype=jnp.int32), (B, T, few)), pad,
+                     constant_values=-1))
+    # A longer one: chunks of at least k ids (whole pages), merged into the best k.
+    chunk = min(C, -(-max(k, smallest) // smallest) * smallest)
+    padded = jnp.pad(scores, ((0, 0), (0, 0), (0, -C % chunk)), constant_values=-jnp.inf)
 
-    def top_of(size):
-        def run(s):
-            if size <= k:  # every valid entry is picked; no selection needed
-                pad = ((0, 0), (0, 0), (0, k - size))
-                idx = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), s[..., :size].shape)
-                return (jnp.pad(s[..., :size], pad, constant_values=-jnp.inf),
-                        jnp.pad(idx, pad, constant_values=-1))
-            return tuple(jax.lax.top_k(s[..., :size], k))
-        return run
+    def merge(i, best):
+        first = i * chunk
+        part = jax.lax.dynamic_slice_in_dim(padded, first, chunk, axis=2)
+        both = jnp.concatenate([best[0], part], axis=-1)
+        ids = jnp.concatenate([best[1], jnp.broadcast_to(
+            first + jnp.arange(chunk, dtype=jnp.int32), part.shape)], axis=-1)
+        top, at = jax.lax.top_k(both, k)
+        return top, jnp.take_along_axis(ids, at, axis=-1)
 
-    bucket = paging.prefix_bucket(sizes, jnp.max(num_entries))
-    best = jax.lax.switch(bucket, [top_of(size) for size in sizes], scores)
+    merged = jax.lax.fori_loop(
+        0, jnp.where(size <= k, 0, -(-size // chunk)), merge,
+        (jnp.full((B, T, k), -jnp.inf, jnp.float32), jnp.full((B, T, k), -1, jnp.int32)))
+    best = jax.tree.map(lambda a, b: jnp.where(size <= k, a, b), whole, merged)
     return finish_topk(best)
 
 
