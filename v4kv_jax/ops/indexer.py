@@ -142,6 +142,25 @@ def index_scores(model: AttentionConfig, geometry: CacheConfig, options: Options
                           jnp.full((batch, tokens, capacity), -jnp.inf, jnp.float32))
 
 
+def _no_best(batch: int, tokens: int, k: int) -> tuple[jax.Array, jax.Array]:
+    """The best k before any score: (-inf scores, -1 ids)."""
+    return (jnp.full((batch, tokens, k), -jnp.inf, jnp.float32),
+            jnp.full((batch, tokens, k), -1, jnp.int32))
+
+
+def _merge_best(best: tuple[jax.Array, jax.Array], scores: jax.Array, first
+                ) -> tuple[jax.Array, jax.Array]:
+    """The best k (scores, ids) of `best` and `scores` f32[B, T, n] of ids first..first+n-1
+    (later ids than best's): one `lax.top_k` over k + n, which keeps the earlier of equal
+    scores, so ties go to the lower id."""
+    k = best[0].shape[-1]
+    both = jnp.concatenate([best[0], scores], axis=-1)
+    ids = jnp.concatenate([best[1], jnp.broadcast_to(
+        first + jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)], axis=-1)
+    top, at = jax.lax.top_k(both, k)
+    return top, jnp.take_along_axis(ids, at, axis=-1)
+
+
 def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
                  index_keys: jax.Array, layer, page_rows: jax.Array, index_q: jax.Array,
                  index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
@@ -154,19 +173,9 @@ def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options
     ahead of a chunk's. Arguments as `index_scores`."""
     batch, tokens = q_pos.shape
     k = model.index_topk
-
-    def merge(best, scores, first):
-        ids = first + jnp.arange(scores.shape[-1], dtype=jnp.int32)
-        both = jnp.concatenate([best[0], scores], axis=-1)
-        both_ids = jnp.concatenate(
-            [best[1], jnp.broadcast_to(ids, scores.shape)], axis=-1)
-        top, at = jax.lax.top_k(both, k)
-        return top, jnp.take_along_axis(both_ids, at, axis=-1)
-
-    init = (jnp.full((batch, tokens, k), -jnp.inf, jnp.float32),
-            jnp.full((batch, tokens, k), -1, jnp.int32))
     best = _scored_chunks(model, geometry, options, index_keys, layer, page_rows, index_q,
-                          index_weights, q_pos, kv_end, layout, merge, init)
+                          index_weights, q_pos, kv_end, layout, _merge_best,
+                          _no_best(batch, tokens, k))
     picks = finish_topk(best)
     # `topk_of_scores` picks every candidate of a prefix of at most k entries in id order
     # (no selection): the same picks, placed at their ids. There every candidate is picked,
@@ -221,16 +230,11 @@ def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: 
 
     def merge(i, best):
         first = i * chunk
-        part = jax.lax.dynamic_slice_in_dim(padded, first, chunk, axis=2)
-        both = jnp.concatenate([best[0], part], axis=-1)
-        ids = jnp.concatenate([best[1], jnp.broadcast_to(
-            first + jnp.arange(chunk, dtype=jnp.int32), part.shape)], axis=-1)
-        top, at = jax.lax.top_k(both, k)
-        return top, jnp.take_along_axis(ids, at, axis=-1)
+        return _merge_best(best, jax.lax.dynamic_slice_in_dim(padded, first, chunk, axis=2),
+                           first)
 
-    merged = jax.lax.fori_loop(
-        0, jnp.where(size <= k, 0, -(-size // chunk)), merge,
-        (jnp.full((B, T, k), -jnp.inf, jnp.float32), jnp.full((B, T, k), -1, jnp.int32)))
+    merged = jax.lax.fori_loop(0, jnp.where(size <= k, 0, -(-size // chunk)), merge,
+                               _no_best(B, T, k))
     best = jax.tree.map(lambda a, b: jnp.where(size <= k, a, b), whole, merged)
     return finish_topk(best)
 
