@@ -288,8 +288,8 @@ def after(x: jax.Array, dep) -> jax.Array:
     return x - ((d != d) & (d == d)).astype(x.dtype)
 
 
-def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array
-                  ) -> Cache:
+def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.Array,
+                 options: Options | None = None) -> Cache:
     """window: [n, B, T, hd] for global layers `layers` i32[n], encoded in the ring's format
     (`CacheConfig.window_dtype`)."""
     W = cache.attn_config.window
@@ -298,10 +298,19 @@ def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.
     n = plan.n_new[:, None]
     keep = (j < n) & (j >= n - W)  # each ring row written at most once
     row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
-    ring = pools.window_ring(cache).put(
-        (layers[:, None, None], plan.slot_ids[None, :, None]), row[None],
-        cache.layout.rows["window"].encode(window))
+    ring = _put_rows(pools.window_ring(cache), (layers[:, None, None],
+                                                plan.slot_ids[None, :, None]),
+                     row[None], cache.layout.rows["window"].encode(window), options)
     return pools.with_window_ring(cache, ring)
+
+
+def _put_rows(stored: pools.Lanes, index: tuple, record: jax.Array, values: jax.Array,
+              options: Options | None) -> pools.Lanes:
+    """`stored.put`: a chunk of one token per row writes one record per (layer, slot) block
+    (`ops.put_records`, in place on a TPU)."""
+    if record.shape[-1] == 1:
+        return ops.put_records(stored, index, record, values, options)
+    return stored.put(index, record, values)
 
 
 def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
@@ -343,8 +352,9 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     block = (layers[:, None, None], plan.slot_ids[None, :, None])
     rows = fixed.tail_rows[spec.name]
-    new_tail = tail.replace(kv=tail.kv.put(block, ring_row[None], rows.encode(kv)),
-                            gate=tail.gate.put(block, ring_row[None], rows.encode(gate)))
+    new_tail = tail.replace(
+        kv=_put_rows(tail.kv, block, ring_row[None], rows.encode(kv), options),
+        gate=_put_rows(tail.gate, block, ring_row[None], rows.encode(gate), options))
     return pools.with_tail(cache, spec, new_tail)
 
 
@@ -353,7 +363,7 @@ def append_layers(cache: Cache, plan: AppendPlan, vectors: TokenVectors,
     """Appends the planned tokens to every layer."""
     fixed = cache.layout
     cache = write_window(cache, plan, jnp.arange(fixed.model.num_layers, dtype=jnp.int32),
-                         vectors.window)
+                         vectors.window, options)
     for spec in fixed.specs:
         n = len(fixed.layers[spec.kind])
         if n:

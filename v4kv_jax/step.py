@@ -121,7 +121,7 @@ def layer_step(cache: Cache, plan: AppendPlan, ref: LayerRef, vectors: vec.Layer
         # Prefill attends over the window as it was before the chunk: read it first.
         old_ring = pools.window_ring(cache)[ref.layer, slots]
         new_window = append.after(new_window, old_ring)
-    cache = append.write_window(cache, plan, ref.layer[None], new_window[None])
+    cache = append.write_window(cache, plan, ref.layer[None], new_window[None], options)
     for spec in fixed.kind_specs[ref.kind]:
         inp, p = getattr(vectors, _FIELDS[spec.name]), getattr(params, _FIELDS[spec.name])
         cache = append.append_compressor(
@@ -234,6 +234,7 @@ def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: 
     checks.alive("cache", cache)
     model = cache.attn_config
     out = None
+    below = jnp.zeros((), jnp.float32)
     for kind in LayerKind:
         layers = model.layers_of(kind)
         if not layers:
@@ -252,14 +253,23 @@ def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: 
         elif kind == LayerKind.HCA:
             xs.update(main=vectors.hca, main_p=weights.hca)
 
-        def body(cache, x):
-            layer_vectors = vec.LayerVectors(x["window"], x.get("main"), x.get("index"))
+        def body(carry, x):
+            cache, below = carry
+            # A layer's writes come after the read of the layer below, as in a model (whose
+            # layer inputs are the output below): else XLA may write a plane in place while
+            # the read below still needs it, and copies the whole plane first.
+            layer_vectors = jax.tree.map(
+                lambda v: append.after(v, below),
+                vec.LayerVectors(x["window"], x.get("main"), x.get("index")))
             params = vec.LayerParams(x.get("main_p"), x.get("index_p"))
             q = Queries(q=x["q"], sink=x["sink"], index_q=x.get("index_q"),
                         index_weights=x.get("index_weights"))
-            return layer_step(cache, plan, x["ref"], layer_vectors, q, params, options=options)
+            cache, o = layer_step(cache, plan, x["ref"], layer_vectors, q, params,
+                                  options=options)
+            return (cache, o.ravel()[0]), o
 
-        cache, o = jax.lax.scan(body, cache, xs, unroll=_unroll(options, layers))
+        (cache, below), o = jax.lax.scan(body, (cache, below), xs,
+                                         unroll=_unroll(options, layers))
         if out is None:
             out = jnp.zeros((model.num_layers, *o.shape[1:]), o.dtype)
         out = out.at[glob].set(o)

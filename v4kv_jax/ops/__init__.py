@@ -75,6 +75,7 @@ from v4kv_jax.ops.choice import (
     supported,
     unchecked,
 )
+from v4kv_jax.ops.writes import put_records
 from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
 from v4kv_jax.pools.layout import of as layout_of
 from v4kv_jax.vectors import Queries
@@ -578,6 +579,6 @@ __all__ = [
     "IMPLEMENTATIONS", "KERNEL_OPS", "MEASURED_PATH", "PLATFORMS", "Choice",
     "KernelUnavailableError", "Stored", "WindowKeys", "choices", "choose",
     "dense_decode_attention", "emit_entries", "emit_entries_online", "index_scores",
-    "index_topk", "kernel_module", "make_resident", "measured", "read", "resolve",
+    "index_topk", "kernel_module", "make_resident", "measured", "put_records", "read", "resolve",
     "sparse_decode_attention", "supported", "unchecked",
 ]

@@ -198,6 +198,12 @@ def kernel_module(op: str, implementation: str):
     return importlib.import_module(f"pallas_kernels.{folder}.{_BACKEND_OF[implementation]}")
 
 
+def record_writer():
+    """The TPU kernel that writes records of a stored array in place, at most one a block
+    (`pallas_kernels.records.write_records`; `v4kv_jax.ops.put_records`)."""
+    return importlib.import_module("pallas_kernels.records").write_records
+
+
 def supported(op: str, implementation: str, model: AttentionConfig,
               geometry: CacheConfig, spec: CompressorSpec | None = None) -> str | None:
     """Why `op`'s kernel of `implementation` cannot run this config (for an emission, the
