@@ -304,12 +304,13 @@ def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.
     return pools.with_window_ring(cache, ring)
 
 
-def _put_rows(stored: pools.Lanes, index: tuple, record: jax.Array, values: jax.Array,
-              options: Options | None) -> pools.Lanes:
-    """`stored.put`: a chunk of one token per row writes one record per (layer, slot) block
-    (`ops.put_records`, in place on a TPU)."""
+def _put_rows(stored, index: tuple, record: jax.Array, values, options: Options | None):
+    """`stored.put` (of each array of a tuple, with its rows): a chunk of one token per row
+    writes one record per (layer, slot) block (`ops.put_records`, in place on a TPU)."""
     if record.shape[-1] == 1:
         return ops.put_records(stored, index, record, values, options)
+    if isinstance(stored, tuple):
+        return tuple(a.put(index, record, v) for a, v in zip(stored, values, strict=True))
     return stored.put(index, record, values)
 
 
@@ -352,9 +353,9 @@ def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
     ring_row = comp.tail_writes(spec, plan.start, plan.n_new, tokens)
     block = (layers[:, None, None], plan.slot_ids[None, :, None])
     rows = fixed.tail_rows[spec.name]
-    new_tail = tail.replace(
-        kv=_put_rows(tail.kv, block, ring_row[None], rows.encode(kv), options),
-        gate=_put_rows(tail.gate, block, ring_row[None], rows.encode(gate), options))
+    new_kv, new_gate = _put_rows((tail.kv, tail.gate), block, ring_row[None],
+                                 (rows.encode(kv), rows.encode(gate)), options)
+    new_tail = tail.replace(kv=new_kv, gate=new_gate)
     return pools.with_tail(cache, spec, new_tail)
 
 

@@ -74,3 +74,20 @@ def test_more_blocks_than_a_chunk_and_the_reference_switch():
             stored, record, values)
         for a, b in zip(_bits(got), want, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_arrays_of_the_same_blocks_are_written_in_one_call():
+    """A raw tail's kv and gate (same blocks, same records) in one write, as two puts."""
+    rng = np.random.default_rng(3)
+    kv, gate = (_stored(32, 8, np.float32, rng) for _ in range(2))
+    index = (jnp.asarray([[1], [0]]), jnp.asarray([[2, -1, 4]]))
+    record = jnp.asarray(rng.integers(0, 8, (2, 3)), jnp.int32)
+    rows = tuple(jnp.asarray(rng.standard_normal((2, 3, 32)), jnp.float32) for _ in range(2))
+    options = v4.Options(implementation="pallas_tpu", interpret=True)
+    got = jax.jit(lambda a, b, r, v: ops.put_records((a, b), index, r, v, options))(
+        kv, gate, record, rows)
+    for lanes, old, new in zip(got, (kv, gate), rows, strict=True):
+        for a, b in zip(_bits(lanes), _bits(old.put(index, record, new)), strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"stored, values: expected arrays of the same blocks"):
+        ops.put_records((kv, _stored(32, 16, np.float32, rng)), index, record, rows, options)
