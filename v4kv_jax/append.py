@@ -298,20 +298,19 @@ def write_window(cache: Cache, plan: AppendPlan, layers: jax.Array, window: jax.
     n = plan.n_new[:, None]
     keep = (j < n) & (j >= n - W)  # each ring row written at most once
     row = jnp.where(keep, (plan.start[:, None] + j) % W, W)
-    ring = _put_rows(pools.window_ring(cache), (layers[:, None, None],
-                                                plan.slot_ids[None, :, None]),
-                     row[None], cache.layout.rows["window"].encode(window), options)
+    (ring,) = _put_rows((pools.window_ring(cache),),
+                        (layers[:, None, None], plan.slot_ids[None, :, None]), row[None],
+                        (cache.layout.rows["window"].encode(window),), options)
     return pools.with_window_ring(cache, ring)
 
 
-def _put_rows(stored, index: tuple, record: jax.Array, values, options: Options | None):
-    """`stored.put` (of each array of a tuple, with its rows): a chunk of one token per row
-    writes one record per (layer, slot) block (`ops.put_records`, in place on a TPU)."""
+def _put_rows(stored: tuple, index: tuple, record: jax.Array, values: tuple,
+              options: Options | None) -> tuple:
+    """`put` of each array of `stored` with its rows: a chunk of one token per row writes one
+    record per (layer, slot) block (`ops.put_records`, in place on a TPU)."""
     if record.shape[-1] == 1:
         return ops.put_records(stored, index, record, values, options)
-    if isinstance(stored, tuple):
-        return tuple(a.put(index, record, v) for a, v in zip(stored, values, strict=True))
-    return stored.put(index, record, values)
+    return tuple(a.put(index, record, v) for a, v in zip(stored, values, strict=True))
 
 
 def append_compressor(cache: Cache, plan: AppendPlan, spec: CompressorSpec,
