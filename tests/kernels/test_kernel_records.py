@@ -91,3 +91,7 @@ def test_arrays_of_the_same_blocks_are_written_in_one_call():
             np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match=r"stored, values: expected arrays of the same blocks"):
         ops.put_records((kv, _stored(32, 16, np.float32, rng)), index, record, rows, options)
+    with pytest.raises(TypeError, match=r"stored: expected a pools.Lanes"):
+        ops.put_records(np.zeros((2, 3)), index, record, rows[0], options)
+    with pytest.raises(ValueError, match=r"values: expected rows of 32 words"):
+        ops.put_records(kv, index, record, rows[0][..., :8], options)

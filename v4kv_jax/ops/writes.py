@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from v4kv_jax import checks, pools, programs
 from v4kv_jax.config import Options
@@ -28,6 +29,14 @@ def put_records(stored, index: tuple, record, values, options: Options | None = 
     several = isinstance(stored, tuple)
     arrays = stored if several else (stored,)
     rows_of = tuple(values) if several else (values,)
+    for a in arrays:
+        if not isinstance(a, pools.Lanes):
+            checks.fail("stored", "a pools.Lanes (or a tuple of them)", type(a).__name__,
+                        TypeError)
+    for a, v in zip(arrays, rows_of, strict=False):
+        if np.shape(v)[-1:] != (a.map.words,):
+            checks.fail("values", f"rows of {a.map.words} words [..., {a.map.words}]",
+                        f"shape {np.shape(v)}")
     if len(rows_of) != len(arrays) or len({(a.lead, a.map.records) for a in arrays}) != 1:
         checks.fail("stored, values", "arrays of the same blocks and records a block, and one "
                     "array of rows each", f"blocks {[(a.lead, a.map.records) for a in arrays]} "
