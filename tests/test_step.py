@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -450,9 +451,21 @@ def test_vector_shape_errors_name_the_field():
 
 def test_write_ordering_dependency_keeps_values_bit_for_bit():
     x = jnp.asarray([-0.0, 0.0, jnp.nan, jnp.inf, -jnp.inf, 1.5, -3e-38], jnp.float32)
-    for dep in (jnp.asarray([jnp.nan]), jnp.asarray([[2.0, 1.0]]), jnp.asarray([-jnp.inf])):
+    nan_bits = np.asarray([jnp.nan], np.float32).view(np.uint32)
+    for dep in (jnp.asarray([jnp.nan]), jnp.asarray([[2.0, 1.0]]), jnp.asarray([-jnp.inf]),
+                jnp.asarray(nan_bits), jnp.asarray([7], jnp.int32), jnp.asarray([3], jnp.int8)):
         got = append.after(x, dep)
         np.testing.assert_array_equal(np.asarray(got).view(np.int32), np.asarray(x).view(np.int32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.uint32, jnp.int32, jnp.int8])
+def test_write_ordering_dependency_survives_the_compiler(dtype):
+    """The compiled program still reads the dependency (the words of a packed pool are
+    uint32: an integer compared with itself is folded away unless its bits are a float)."""
+    text = jax.jit(append.after).lower(jnp.zeros(4), jnp.zeros(3, dtype)).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    dep = re.search(r"%([\w.\-]+) = \S+ parameter\(1\)", entry).group(1)
+    assert re.search(rf"\(.*%{re.escape(dep)}\b", entry.split("parameter(1)", 1)[1]), entry
 
 
 def _one_layer(data, layer: int, pos, rows):

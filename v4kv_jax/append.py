@@ -285,6 +285,11 @@ def after(x: jax.Array, dep) -> jax.Array:
     them) as `dep`.
     """
     d = jax.tree.leaves(dep)[0].ravel()[0]
+    if not jnp.issubdtype(d.dtype, jnp.floating):
+        # An integer always equals itself, and XLA folds the term away: compare the word's
+        # bits as a float instead (any bits, a NaN's included, give +0).
+        d = (jax.lax.bitcast_convert_type(d, jnp.float32) if d.dtype.itemsize == 4
+             else d.astype(jnp.float32))
     return x - ((d != d) & (d == d)).astype(x.dtype)
 
 
