@@ -11,8 +11,12 @@ exactly as the reference does, and every fold masks with a finite value.
 Keys come in planes (`pallas_kernels.formats`): the window and the entries may be stored in
 different formats, so each distinct layout is a *group* with its own query planes and its
 own accumulator planes, all sharing one running max and sum. `KeyGroups` lays the query out
-per group before the kernel and sums the groups' outputs back in natural order after it,
-then de-rotates (XLA).
+per group and sums the groups' outputs back in natural order: on a GPU in XLA around the
+kernel (`queries`, `output`, then `derotate`); on a TPU inside it (`plane_queries`,
+`natural_output`): each plane is the query times a 0/1 matrix built from the layout's lane
+table, and the output the planes times its transpose, at full precision (every value exact:
+a product with 1, sums with 0), so XLA moves no lane of a query or an output around a TPU
+kernel (XLA:TPU counts a lane permutation of a few KiB as megabytes of traffic).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import formats
-from pallas_kernels.common import HIGHEST, MASK_VALUE, rotate_lanes
+from pallas_kernels.common import HIGHEST, MASK_VALUE, rotate_lanes, swap_pairs_tpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +75,47 @@ class KeyGroups:
         return [[ref[j] for j in range(lay.n_planes)]
                 for ref, lay in zip(refs, self.layouts, strict=True)]
 
+    def lane_tables(self) -> list[jax.Array]:
+        """Per group, i32[n_planes, plane_width]: the natural dim each plane lane holds, -1
+        for none (the inputs of `plane_queries` and `natural_output` in a TPU kernel)."""
+        return [jnp.asarray(lay.lane_dims(), jnp.int32) for lay in self.layouts]
+
+    def plane_queries(self, q: jax.Array, table_refs) -> list[list[jax.Array]]:
+        """Inside a TPU kernel: the query planes of each group (f32[h, pw] each) from the
+        query in natural order f32[h, hd] (`to_planes`' values: 0 on lanes holding no dim)."""
+        width = q.shape[-1]
+        return [[jnp.dot(q, _plane_matrix(ref[j:j + 1, :], width), precision=HIGHEST,
+                         preferred_element_type=jnp.float32)
+                 for j in range(lay.n_planes)]
+                for ref, lay in zip(table_refs, self.layouts, strict=True)]
+
+    def natural_output(self, state, table_refs, width: int, q_pos, lane_freq) -> jax.Array:
+        """Inside a TPU kernel: the normalised output f32[h, hd] of an online-softmax state in
+        natural order, summed over groups and de-rotated by -q_pos (lane_freq f32[1, hd])."""
+        _, denom, accs = state
+        out = None
+        for ref, planes in zip(table_refs, accs, strict=True):
+            natural = None
+            for j, plane in enumerate(planes):
+                part = jax.lax.dot_general(
+                    plane / denom, _plane_matrix(ref[j:j + 1, :], width),
+                    (((1,), (1,)), ((), ())), precision=HIGHEST,
+                    preferred_element_type=jnp.float32)
+                natural = part if natural is None else natural + part
+            out = natural if out is None else out + natural
+        angle = q_pos.astype(jnp.float32) * lane_freq
+        return rotate_lanes(out, swap_pairs_tpu(out), angle, inverse=True)
+
     def zero_accs(self, heads: int):
         return tuple(tuple(jnp.zeros((heads, lay.plane_width), jnp.float32)
                            for _ in range(lay.n_planes)) for lay in self.layouts)
+
+
+def _plane_matrix(dims: jax.Array, width: int) -> jax.Array:
+    """f32[width, pw]: 1 where lane l of a plane holds dim d (dims: i32[1, pw], -1 for
+    none), else 0."""
+    dim = jax.lax.broadcasted_iota(jnp.int32, (width, dims.shape[1]), 0)
+    return jnp.where(dim == dims, 1.0, 0.0).astype(jnp.float32)
 
 
 def swap_pairs(x: jax.Array) -> jax.Array:

@@ -116,18 +116,31 @@ def per_row(shape):
     return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
 
 
-def query_window_specs(groups, heads: int, window) -> list:
-    """In-specs of (query planes per group [B, n_planes, H, plane_width], sink [H, 1], the
-    window rings' planes [n_layers, max_slots, rows, lanes]) for a decode attention kernel
-    whose first prefetched scalars are (layers, q_pos, kv_end, slot_ids): each ring block is
-    (layers[0], slot)."""
+def query_window_specs(groups, heads: int, dim: int, window) -> list:
+    """In-specs of (the query f32[B, H, hd], each group's lane table [n_planes, pw], the lane
+    frequencies [1, hd], sink [H, 1], the window rings' planes [n_layers, max_slots, rows,
+    lanes]) for a decode attention kernel whose first prefetched scalars are (layers, q_pos,
+    kv_end, slot_ids): each ring block is (layers[0], slot)."""
     return [
-        *(per_row((lay.n_planes, heads, lay.plane_width)) for lay in groups.layouts),
-        pl.BlockSpec((heads, 1), lambda b, *_: (0, 0)),
+        per_row((heads, dim)),
+        *(whole((lay.n_planes, lay.plane_width)) for lay in groups.layouts),
+        whole((1, dim)),
+        whole((heads, 1)),
         *(pl.BlockSpec((None, None, *x.shape[-2:]),
                        lambda b, layers, qp, ke, slots, *_: (layers[0], slots[b], 0, 0))
           for x in window),
     ]
+
+
+def query_window_inputs(groups, q, lane_freq, sink) -> list:
+    """The arrays `query_window_specs` describes, up to the window."""
+    return [q.astype(jnp.float32), *groups.lane_tables(), lane_freq,
+            sink.astype(jnp.float32).reshape(-1, 1)]
+
+
+def whole(shape):
+    """BlockSpec of a whole small array, the same block for every program."""
+    return pl.BlockSpec(shape, lambda b, *_: (0,) * len(shape))
 
 
 def window_rows(lay, refs, window: int):
@@ -139,19 +152,16 @@ def window_rows(lay, refs, window: int):
     return tiles, [lanes.slots(part, window, window) for part in lay.parts]
 
 
-def output_specs(groups, heads: int):
-    """Out-specs and shapes of the normalised output planes per group [B, n_planes, H, pw]."""
-    return [per_row((lay.n_planes, heads, lay.plane_width)) for lay in groups.layouts]
+def output_spec(heads: int, dim: int):
+    """Out-spec and shape of the output in natural order, de-rotated, f32[B, H, hd]."""
+    return per_row((heads, dim))
 
 
-def output_shapes(groups, batch: int, heads: int):
-    return [jax.ShapeDtypeStruct((batch, lay.n_planes, heads, lay.plane_width), jnp.float32)
-            for lay in groups.layouts]
+def output_shape(batch: int, heads: int, dim: int):
+    return jax.ShapeDtypeStruct((batch, heads, dim), jnp.float32)
 
 
-def write_output(o_refs, state) -> None:
-    """Normalises the softmax into the output planes (de-rotation follows in XLA)."""
-    _, denom, accs = state
-    for ref, planes in zip(o_refs, accs, strict=True):
-        for j, plane in enumerate(planes):
-            ref[j] = plane / denom
+def write_output(o_ref, groups, state, table_refs, q_pos, lane_freq_ref) -> None:
+    """Normalises the softmax, puts it in natural order and de-rotates it by -q_pos."""
+    o_ref[...] = groups.natural_output(state, table_refs, o_ref.shape[-1], q_pos,
+                                       lane_freq_ref[...])

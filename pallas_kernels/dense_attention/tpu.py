@@ -7,8 +7,9 @@ the pages holding the visible entries are copied `pages_per_block` at a time, ea
 lane rows as stored (`formats.Part`), into double-buffered VMEM blocks
 (the next block in flight while the current one is decoded and folded), so the work follows
 the slot's length, not the page-table capacity. The held pages of a row are a prefix of it
-(`v4kv_jax.pools.paging`), so entry i < visible lies on a held page. Outputs are written as
-planes; XLA puts them in natural order and de-rotates.
+(`v4kv_jax.pools.paging`), so entry i < visible lies on a held page. The query is laid
+out in planes, and the output put back in natural order and de-rotated, inside the kernel
+(`decode.KeyGroups.plane_queries`, `natural_output`).
 
 Layout read (`v4kv_jax.pools.lanes`):
   window  planes [n_layers, max_slots, rows, lanes]   block (layer, slot) through the index map
@@ -50,11 +51,11 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
     n = len(groups.layouts)
     window_lay, entry_lay = groups.window_layout, groups.entries_layout
     nw, ne = len(window_lay.parts), len(entry_lay.parts)
-    q_refs, (sink_ref,) = refs[:n], refs[n:n + 1]
-    refs = refs[n + 1:]
+    q_ref, table_refs, (freq_ref, sink_ref) = refs[0], refs[1:1 + n], refs[1 + n:3 + n]
+    refs = refs[3 + n:]
     window_refs, c128_hbm = refs[:nw], refs[nw:nw + ne]
     refs = refs[nw + ne:]
-    o_refs, bufs, sems = refs[:n], refs[n:n + ne], refs[n + ne]
+    o_ref, bufs, sems = refs[0], refs[1:1 + ne], refs[1 + ne]
     b = pl.program_id(0)
     layer = layers_ref[1]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
@@ -66,7 +67,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
         table_ref, b, c128_hbm, layer, bufs, sems, num_pages=num_pages,
         pages_per_block=pages_per_block, max_pages=max_pages)
 
-    q = groups.load_queries(q_refs)
+    q = groups.plane_queries(q_ref[...], table_refs)
     gw, ge = groups.window, groups.entries
     ring = formats.decode_tpu(window_lay, *tpu_pipeline.window_rows(window_lay, window_refs,
                                                                     window))
@@ -87,7 +88,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
         return decode.fold(state, q[ge], keys, cols, scale, ge)
 
     state = tpu_pipeline.double_buffered(num_blocks, start, wait, body, state)
-    tpu_pipeline.write_output(o_refs, state)
+    tpu_pipeline.write_output(o_ref, groups, state, table_refs, q_pos, freq_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("ratio", "block_sizes", "interpret",
@@ -134,21 +135,21 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
     kernel = functools.partial(
         _kernel, groups=groups, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages,
         ratio=ratio, window=window_len, scale=dim**-0.5)
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(batch,),
             in_specs=[
-                *tpu_pipeline.query_window_specs(groups, heads, window),
+                *tpu_pipeline.query_window_specs(groups, heads, dim, window),
                 *[pl.BlockSpec(memory_space=pltpu.HBM)] * len(c128),
             ],
-            out_specs=tpu_pipeline.output_specs(groups, heads),
+            out_specs=tpu_pipeline.output_spec(heads, dim),
             scratch_shapes=[*(pltpu.VMEM((2, ppb * x.shape[-2], x.shape[-1]), x.dtype)
                               for x in c128),
                             pltpu.SemaphoreType.DMA((2,))],
         ),
-        out_shape=tpu_pipeline.output_shapes(groups, batch, heads),
+        out_shape=tpu_pipeline.output_shape(batch, heads, dim),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
         name="v4kv_hca_dense_decode_attention",
@@ -158,6 +159,6 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
             bytes_accessed=batch * (max_pages * page_bytes + sum(nbytes(x, 2) for x in window)
                                     + 2 * heads * dim * 4)),
     )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
-      page_rows.astype(jnp.int32).reshape(-1), *groups.queries(q),
-      sink.astype(jnp.float32).reshape(heads, 1), *in_hbm(window), *in_hbm(c128))
-    return groups.output(outs, q_pos, lane_freq)
+      page_rows.astype(jnp.int32).reshape(-1),
+      *tpu_pipeline.query_window_inputs(groups, q, lane_freq, sink), *in_hbm(window),
+      *in_hbm(c128))

@@ -9,7 +9,8 @@ planes (`formats.decode_tpu`, each row's slot moved to slot 0) and folded into t
 softmax. A -1 pick, or one whose page is absent, copies nothing: its rows are zeroed and it is
 marked unseen (the picks of a batch that were copied are known in the kernel, so no gather in
 XLA has to weed out absent pages first). Batches past the last valid pick are never visited.
-Outputs are written as planes; XLA puts them in natural order and de-rotates.
+The query is laid out in planes, and the output put back in natural order and de-rotated,
+inside the kernel (`decode.KeyGroups.plane_queries`, `natural_output`).
 
 Layout read (`v4kv_jax.pools.lanes`):
   window  planes [n_layers, max_slots, rows, lanes]   block (layer, slot) through the index map
@@ -51,12 +52,12 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
     n = len(groups.layouts)
     window_lay, entry_lay = groups.window_layout, groups.entries_layout
     nw, ne = len(window_lay.parts), len(entry_lay.parts)
-    q_refs, (sink_ref,) = refs[:n], refs[n:n + 1]
-    refs = refs[n + 1:]
+    q_ref, table_refs, (freq_ref, sink_ref) = refs[0], refs[1:1 + n], refs[1 + n:3 + n]
+    refs = refs[3 + n:]
     window_refs, (pick_slots_ref,), c4_hbm = (
         refs[:nw], refs[nw:nw + 1], refs[nw + 1:nw + 1 + ne])
     refs = refs[nw + 1 + ne:]
-    o_refs, bufs, (marks, sems) = refs[:n], refs[n:n + ne], refs[n + ne:]
+    o_ref, bufs, (marks, sems) = refs[0], refs[1:1 + ne], refs[1 + ne:]
     b = pl.program_id(0)
     layer = layers_ref[1]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
@@ -90,7 +91,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
     start, wait = tpu_pipeline.block_copies(row_copy, valid, block, on_skip=zero_row,
                                             on_copy=mark(1.0))
 
-    q = groups.load_queries(q_refs)
+    q = groups.plane_queries(q_ref[...], table_refs)
     gw, ge = groups.window, groups.entries
     ring = formats.decode_tpu(window_lay, *tpu_pipeline.window_rows(window_lay, window_refs,
                                                                     window))
@@ -109,7 +110,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
         return decode.fold(state, q[ge], keys, visible, scale, ge)
 
     state = tpu_pipeline.double_buffered(blocks_ref[b], start, wait, body, state)
-    tpu_pipeline.write_output(o_refs, state)
+    tpu_pipeline.write_output(o_ref, groups, state, table_refs, q_pos, freq_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "entry_format",
@@ -166,22 +167,22 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     kernel = functools.partial(
         _kernel, groups=groups, block=block, padded_topk=padded, entries_per_page=epp,
         max_pages=max_pages, window=window_len, scale=dim**-0.5)
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=7,
             grid=(batch,),
             in_specs=[
-                *tpu_pipeline.query_window_specs(groups, heads, window),
+                *tpu_pipeline.query_window_specs(groups, heads, dim, window),
                 tpu_pipeline.per_row((padded, len(entry_lay.parts))),
                 *[pl.BlockSpec(memory_space=pltpu.HBM)] * len(c4),
             ],
-            out_specs=tpu_pipeline.output_specs(groups, heads),
+            out_specs=tpu_pipeline.output_spec(heads, dim),
             scratch_shapes=[*(pltpu.VMEM((2, block, x.shape[-1]), x.dtype) for x in c4),
                             pltpu.VMEM((2, block, 128), jnp.float32),
                             pltpu.SemaphoreType.DMA((2,))],
         ),
-        out_shape=tpu_pipeline.output_shapes(groups, batch, heads),
+        out_shape=tpu_pipeline.output_shape(batch, heads, dim),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
         name="v4kv_csa_sparse_decode_attention",
@@ -192,6 +193,5 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
                                     + 2 * heads * dim * 4)),
     )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1), picks.reshape(-1), blocks,
-      *groups.queries(q), sink.astype(jnp.float32).reshape(heads, 1), *in_hbm(window),
+      *tpu_pipeline.query_window_inputs(groups, q, lane_freq, sink), *in_hbm(window),
       pick_slots.astype(jnp.int32), *in_hbm(c4))
-    return groups.output(outs, q_pos, lane_freq)
