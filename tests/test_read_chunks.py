@@ -144,6 +144,25 @@ def test_a_chunks_running_top_k_equals_the_whole_rows(k, lengths, ties):
         assert (whole == -1).any() and not np.isfinite(scores[..., k - 1]).all()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_tpus_sorted_top_k_is_lax_top_k_with_signed_zeros_and_nans(seed):
+    # On a TPU the indexer's merge is a stable sort on an integer key of the scores' bits
+    # that carries the ids (no gather); elsewhere `lax.top_k` and a gather. Both pick and
+    # order alike: +0 above -0, NaN by its sign, ties to the earlier id.
+    from v4kv_jax.ops import indexer
+
+    rng = np.random.default_rng(seed)
+    values = np.asarray([0.0, -0.0, 1.0, -1.0, 2.5, -np.inf, np.inf, np.nan, -np.nan],
+                        np.float32)
+    scores = jnp.asarray(rng.choice(values, (3, 2, 256)))
+    ids = jnp.asarray(rng.permutation(3 * 2 * 256).reshape(3, 2, 256), jnp.int32)
+    want = indexer._top_gathered(scores, ids, 32)
+    got = indexer._top_sorted(scores, ids, 32)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.int32),
+                                  np.asarray(want[0]).view(np.int32))
+
+
 def np_picks(scores: np.ndarray, num_entries: np.ndarray, k: int, smallest: int) -> np.ndarray:
     """The indexer's picks by hand: over the shortest prefix of `smallest` * 2^j ids (or the
     row) holding every written entry, every candidate in id order if it has at most k ids,

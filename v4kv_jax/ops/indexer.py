@@ -22,9 +22,12 @@ takes it prepared.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from v4kv_jax import programs
 from v4kv_jax.config import AttentionConfig, CacheConfig, Options
 from v4kv_jax.pools import paging, storage
 from v4kv_jax.pools.layout import CacheLayout, visible_entries
@@ -151,14 +154,32 @@ def _no_best(batch: int, tokens: int, k: int) -> tuple[jax.Array, jax.Array]:
 def _merge_best(best: tuple[jax.Array, jax.Array], scores: jax.Array, first
                 ) -> tuple[jax.Array, jax.Array]:
     """The best k (scores, ids) of `best` and `scores` f32[B, T, n] of ids first..first+n-1
-    (later ids than best's): one `lax.top_k` over k + n, which keeps the earlier of equal
-    scores, so ties go to the lower id."""
+    (later ids than best's), as `lax.top_k` over k + n picks them: the earlier of equal
+    scores kept, so ties go to the lower id."""
     k = best[0].shape[-1]
     both = jnp.concatenate([best[0], scores], axis=-1)
     ids = jnp.concatenate([best[1], jnp.broadcast_to(
         first + jnp.arange(scores.shape[-1], dtype=jnp.int32), scores.shape)], axis=-1)
-    top, at = jax.lax.top_k(both, k)
+    return programs.platform_dependent(both, ids, tpu=functools.partial(_top_sorted, k=k),
+                                       default=functools.partial(_top_gathered, k=k))
+
+
+def _top_gathered(scores: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The best k of (scores, ids) by `lax.top_k` and a gather of the ids at its indices."""
+    top, at = jax.lax.top_k(scores, k)
     return top, jnp.take_along_axis(ids, at, axis=-1)
+
+
+def _top_sorted(scores: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`_top_gathered` as one stable sort that carries the ids along (a TPU's: XLA:TPU
+    charges the gather of the ids ~9 MiB a merge; a CPU's top_k is 3-10x faster than the
+    sort). The key orders as `lax.top_k` does: descending in IEEE total order (+0 above -0,
+    a NaN by its sign), ties in place."""
+    bits = jax.lax.bitcast_convert_type(scores, jnp.int32)
+    key = ~jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    _, top, top_ids = jax.lax.sort((key, scores, ids), dimension=-1, is_stable=True,
+                                   num_keys=1)
+    return top[..., :k], top_ids[..., :k]
 
 
 def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
@@ -166,11 +187,11 @@ def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options
                  index_weights: jax.Array, q_pos: jax.Array, kv_end: jax.Array,
                  layout: CacheLayout | None = None) -> jax.Array:
     """i32[B, T, k]: `index_topk`'s picks, equal to it element for element, without a score
-    row per query: each read chunk's scores are merged into the best k so far (one
-    `lax.top_k` over k + chunk), so a chunk of T queries holds [B, T, k + chunk] scores at
-    128k as at 4k. Equal because chunks come in entry order and `lax.top_k` keeps the
-    earlier of equal scores: the best so far (lower ids, ties already in id order) stay
-    ahead of a chunk's. Arguments as `index_scores`."""
+    row per query: each read chunk's scores are merged into the best k so far (a top k of
+    k + chunk), so a chunk of T queries holds [B, T, k + chunk] scores at 128k as at 4k.
+    Equal because chunks come in entry order and the merge keeps the earlier of equal
+    scores: the best so far (lower ids, ties already in id order) stay ahead of a chunk's.
+    Arguments as `index_scores`."""
     batch, tokens = q_pos.shape
     k = model.index_topk
     best = _scored_chunks(model, geometry, options, index_keys, layer, page_rows, index_q,
@@ -202,12 +223,12 @@ def topk_of_scores(scores: jax.Array, num_entries: jax.Array, k: int, smallest: 
     The selection follows the context, not the capacity: it runs over the shortest
     power-of-two prefix (from `smallest` up) that holds every entry id below
     max(num_entries). A prefix of at most k ids is picked whole, in id order (no selection);
-    a longer one chunk by chunk, each chunk's scores merged into the best k so far (one
-    `lax.top_k` over k + chunk, in a loop over the prefix's chunks), equal element for
-    element to one `lax.top_k` over the prefix: chunks come in id order and `lax.top_k`
-    keeps the earlier of equal scores (`running_topk`). XLA:TPU compiles a top-k as a sort,
-    and a sort takes seconds to compile: one sort of k + chunk scores, whatever the capacity,
-    instead of one per prefix size.
+    a longer one chunk by chunk, each chunk's scores merged into the best k so far (a top k
+    of k + chunk scores, in a loop over the prefix's chunks), equal element for element to
+    one `lax.top_k` over the prefix: chunks come in id order and the merge keeps the earlier
+    of equal scores (`running_topk`). XLA:TPU compiles a top-k as a sort, and a sort takes
+    seconds to compile: one sort of k + chunk scores, whatever the capacity, instead of one
+    per prefix size.
 
     Args:
       scores: f32[B, T, capacity].
