@@ -174,6 +174,9 @@ def check_fp4(y):
     ref_words, ref_values = np_encode_fp4(y)
     np.testing.assert_array_equal(words, ref_words)
     assert same_bits(values, ref_values)
+    # the indexer query's quantisation, without the words: the same values
+    assert same_bits(np.asarray(storage.fake_quantise_fp4_key(jnp.asarray(y, jnp.float32))),
+                     ref_values)
     return values
 
 

@@ -48,9 +48,7 @@ def prepare_index_query(geometry: CacheConfig, index_q: jax.Array) -> jax.Array:
     index_q = jnp.asarray(index_q, jnp.float32)
     if geometry.index_dtype != "fp4_index":
         return index_q
-    c = index_q.shape[-1]
-    return storage.decode_fp4_key(storage.encode_fp4_key(storage.hadamard(index_q),
-                                                         rotated=True), c)
+    return storage.fake_quantise_fp4_key(storage.hadamard(index_q))
 
 
 def key_scores(index_q: jax.Array, index_weights: jax.Array, keys: jax.Array) -> jax.Array:

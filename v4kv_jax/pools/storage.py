@@ -343,6 +343,25 @@ def encode_fp4_key(k: jax.Array, rotated: bool = False) -> jax.Array:
     return jnp.concatenate([_pack(codes, 4), _pack(_pad_bytes(sbytes), 8)], axis=-1)
 
 
+def fake_quantise_fp4_key(y: jax.Array) -> jax.Array:
+    """decode_fp4_key(encode_fp4_key(y, rotated=True), c), bit for bit, for f32 [..., c]
+    already rotated, without packing the codes into words and out again (the indexer's
+    query is quantised so every step: on a TPU the nibble shuffles cost more than the
+    arithmetic)."""
+    y = jnp.asarray(y, jnp.float32)
+    nb = _check_fp4(y.shape[-1])
+    bad = jnp.any(~jnp.isfinite(y).reshape(*y.shape[:-1], nb, FP4_BLOCK), axis=-1)
+    sbytes = _scale_bytes(y, FP4_BLOCK, FP4_MAX, FP4_AMAX_FLOOR)
+    sbytes = jnp.where(bad, jnp.uint32(_E8M0_NAN), sbytes)
+    scales = _scale_values(sbytes)
+    q = jnp.clip(y / _per_block(scales, FP4_BLOCK), -FP4_MAX, FP4_MAX)
+    codes = jnp.where(_per_block(bad, FP4_BLOCK), jnp.uint32(0), _e2m1_codes(q))
+    scaled = (_e2m1_values(codes & 7).reshape(*y.shape[:-1], nb, FP4_BLOCK)
+              * scales[..., None])
+    bits = lax.bitcast_convert_type(scaled.reshape(codes.shape), jnp.uint32)
+    return _f32(bits | ((codes & 8) << 28))
+
+
 def decode_fp4_key(packed: jax.Array, width: int) -> jax.Array:
     """f32 [..., width] ROTATED dequantised keys (compare with `hadamard(q)`) of fp4_index rows."""
     _check_fp4(width)
@@ -464,5 +483,5 @@ def tail_codec(geometry: CacheConfig, width: int) -> RowCodec:
 __all__ = ["AMAX_FLOOR", "FORMATS", "FORMAT_FIELDS", "FP4_AMAX_FLOOR", "FP4_BLOCK", "FP4_MAX",
            "FP8_BLOCK", "FP8_MAX", "HALF_FORMATS", "PACKED_FORMATS", "RowCodec", "codec",
            "decode_fp4_key", "decode_fp8_latent", "decode_halves", "dtype", "encode_fp4_key",
-           "encode_fp8_latent", "encode_halves", "hadamard", "row_bytes", "stored_width",
-           "tail_codec"]
+           "encode_fp8_latent", "encode_halves", "fake_quantise_fp4_key", "hadamard",
+           "row_bytes", "stored_width", "tail_codec"]
