@@ -81,12 +81,8 @@ class KeyGroups:
         return [jnp.asarray(lay.lane_dims(), jnp.int32) for lay in self.layouts]
 
     def plane_queries(self, q: jax.Array, table_refs) -> list[list[jax.Array]]:
-        """Inside a TPU kernel: the query planes of each group (f32[h, pw] each) from the
-        query in natural order f32[h, hd] (`to_planes`' values: 0 on lanes holding no dim)."""
-        width = q.shape[-1]
-        return [[jnp.dot(q, _plane_matrix(ref[j:j + 1, :], width), precision=HIGHEST,
-                         preferred_element_type=jnp.float32)
-                 for j in range(lay.n_planes)]
+        """Inside a TPU kernel: the query planes of each group (`plane_queries`)."""
+        return [plane_queries(q, ref, lay.n_planes)
                 for ref, lay in zip(table_refs, self.layouts, strict=True)]
 
     def natural_output(self, state, table_refs, width: int, q_pos, lane_freq) -> jax.Array:
@@ -109,6 +105,15 @@ class KeyGroups:
     def zero_accs(self, heads: int):
         return tuple(tuple(jnp.zeros((heads, lay.plane_width), jnp.float32)
                            for _ in range(lay.n_planes)) for lay in self.layouts)
+
+
+def plane_queries(q: jax.Array, table_ref, n_planes: int) -> list[jax.Array]:
+    """Inside a TPU kernel: a layout's query planes (f32[h, pw] each) from the query in
+    natural order f32[h, d] (`formats.to_planes`' values: 0 on lanes holding no dim), given
+    its lane table (`Layout.lane_dims()`, i32[n_planes, pw])."""
+    width = q.shape[-1]
+    return [jnp.dot(q, _plane_matrix(table_ref[j:j + 1, :], width), precision=HIGHEST,
+                    preferred_element_type=jnp.float32) for j in range(n_planes)]
 
 
 def _plane_matrix(dims: jax.Array, width: int) -> jax.Array:

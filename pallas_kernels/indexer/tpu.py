@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import formats, lanes, tpu_pipeline
+from pallas_kernels import decode, formats, lanes, tpu_pipeline
 from pallas_kernels.common import (
     HIGHEST,
     MASK_VALUE,
@@ -45,7 +45,7 @@ def supported(model, geometry, spec=None) -> str | None:
     return None
 
 
-def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, *refs,
+def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, lanes_ref, w_ref, *refs,
             keys: formats.Layout, pages_per_block: int, entries_per_page: int, max_pages: int,
             ratio: int):
     n = len(keys.parts)
@@ -66,7 +66,8 @@ def _kernel(layer_ref, q_pos_ref, kv_end_ref, table_ref, q_ref, w_ref, *refs,
         dst = scores_hbm.at[pl.ds(b, 1), pl.ds(j * block_entries, block_entries)]
         return pltpu.make_async_copy(out_buf.at[slot], dst, out_sems.at[slot])
 
-    q = [q_ref[j] for j in range(keys.n_planes)]
+    # The query's planes, from the query in natural order (`decode.plane_queries`).
+    q = decode.plane_queries(q_ref[...], lanes_ref, keys.n_planes)
     heads, dim = q[0].shape[0], keys.width
     weights = w_ref[...].astype(jnp.float32) * heads**-0.5
     slots = [lanes.slots(part, block_entries, entries_per_page) for part in keys.parts]
@@ -141,8 +142,8 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
             num_scalar_prefetch=4,
             grid=(batch,),
             in_specs=[
-                pl.BlockSpec((None, keys.n_planes, heads, keys.plane_width),
-                             lambda b, *_: (b, 0, 0, 0)),
+                tpu_pipeline.per_row((heads, dim)),
+                tpu_pipeline.whole((keys.n_planes, keys.plane_width)),
                 pl.BlockSpec((None, 1, heads), lambda b, *_: (b, 0, 0)),
                 *[pl.BlockSpec(memory_space=pltpu.HBM)] * len(index_keys),
             ],
@@ -162,6 +163,6 @@ def index_scores(index_q, index_weights, index_keys, layer, page_rows, q_pos, kv
             bytes_accessed=batch * max_pages * (page_bytes + epp * 4)),
     )(layer_index(layer), q_pos.astype(jnp.int32), kv_end.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1),
-      jnp.moveaxis(formats.to_planes(keys, index_q.astype(jnp.float32)), -2, 1),
+      index_q.astype(jnp.float32), jnp.asarray(keys.lane_dims(), jnp.int32),
       index_weights.astype(jnp.float32).reshape(batch, 1, heads), *in_hbm(index_keys))
     return candidate_scores(scores, q_pos, kv_end, ratio)

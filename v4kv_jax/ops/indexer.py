@@ -174,10 +174,18 @@ def _top_sorted(scores: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, j
     sort). The key orders as `lax.top_k` does: descending in IEEE total order (+0 above -0,
     a NaN by its sign), ties in place."""
     bits = jax.lax.bitcast_convert_type(scores, jnp.int32)
-    key = ~jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    _, top, top_ids = jax.lax.sort((key, scores, ids), dimension=-1, is_stable=True,
-                                   num_keys=1)
-    return top[..., :k], top_ids[..., :k]
+    key, top_ids = jax.lax.sort((~_total_order(bits), ids), dimension=-1, is_stable=True,
+                                num_keys=1)
+    # The scores back from their keys (`_total_order` is its own inverse): two operands
+    # sorted, not three (a prefill chunk sorts T x (k + read chunk) of each).
+    top = jax.lax.bitcast_convert_type(_total_order(~key[..., :k]), jnp.float32)
+    return top, top_ids[..., :k]
+
+
+def _total_order(bits: jax.Array) -> jax.Array:
+    """i32 f32-bits -> i32 whose signed order is the floats' IEEE total order (-NaN < -inf
+    < ... < -0 < +0 < ... < +inf < +NaN), and back: the map is its own inverse."""
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 def running_topk(model: AttentionConfig, geometry: CacheConfig, options: Options, *,
