@@ -54,10 +54,9 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
     nw, ne = len(window_lay.parts), len(entry_lay.parts)
     q_ref, table_refs, (freq_ref, sink_ref) = refs[0], refs[1:1 + n], refs[1 + n:3 + n]
     refs = refs[3 + n:]
-    window_refs, (pick_slots_ref,), c4_hbm = (
-        refs[:nw], refs[nw:nw + 1], refs[nw + 1:nw + 1 + ne])
-    refs = refs[nw + 1 + ne:]
-    o_ref, bufs, (marks, sems) = refs[0], refs[1:1 + ne], refs[1 + ne:]
+    window_refs, c4_hbm = refs[:nw], refs[nw:nw + ne]
+    refs = refs[nw + ne:]
+    o_ref, bufs, (marks, pick_slots, sems) = refs[0], refs[1:1 + ne], refs[1 + ne:]
     b = pl.program_id(0)
     layer = layers_ref[1]
     q_pos, kv_end = q_pos_ref[b], kv_end_ref[b]
@@ -81,15 +80,23 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
     def mark(value):
         def set_row(j, i, slot):
             marks[slot, pl.ds(i, 1), :] = jnp.full((1, marks.shape[-1]), value, marks.dtype)
+            # Lane k: the pick's slot in its lane row of part k (0 for a pick that is none).
+            entry = jax.lax.rem(jnp.maximum(picks_ref[b * padded_topk + j * block + i], 0),
+                                entries_per_page)
+            lane = jax.lax.broadcasted_iota(jnp.int32, (1, pick_slots.shape[-1]), 1)
+            row = jnp.zeros((1, pick_slots.shape[-1]), jnp.int32)
+            for k, part in enumerate(entry_lay.parts):
+                row = jnp.where(lane == k, jax.lax.rem(entry, part.per_row) * int(value), row)
+            pick_slots[slot, pl.ds(i, 1), :] = row
         return set_row
 
     def zero_row(j, i, slot):  # a pick that is none copies nothing; its rows must be finite
         for buf in bufs:
             buf[slot, pl.ds(i, 1), :] = jnp.zeros((1, buf.shape[-1]), buf.dtype)
-        mark(0.0)(j, i, slot)
+        mark(0)(j, i, slot)
 
     start, wait = tpu_pipeline.block_copies(row_copy, valid, block, on_skip=zero_row,
-                                            on_copy=mark(1.0))
+                                            on_copy=mark(1))
 
     q = groups.plane_queries(q_ref[...], table_refs)
     gw, ge = groups.window, groups.entries
@@ -103,8 +110,7 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
         ones = jnp.ones((1, marks.shape[-1]), jnp.float32)
         visible = jax.lax.dot_general(ones, marks[slot], (((1,), (1,)), ((), ())),
                                       preferred_element_type=jnp.float32) > 0
-        first = pl.multiple_of(j * block, block)
-        slots = [None if part.per_row == 1 else pick_slots_ref[pl.ds(first, block), k:k + 1]
+        slots = [None if part.per_row == 1 else pick_slots[slot][:, k:k + 1]
                  for k, part in enumerate(entry_lay.parts)]
         keys = formats.decode_tpu(entry_lay, [buf[slot] for buf in bufs], slots)
         return decode.fold(state, q[ge], keys, visible, scale, ge)
@@ -160,8 +166,6 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     last = jnp.max(jnp.where(picks >= 0, jnp.arange(padded, dtype=jnp.int32) + 1, 0), axis=1)
     blocks = (last + block - 1) // block
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c4_layer)])
-    entry = jnp.maximum(picks, 0) % epp
-    pick_slots = jnp.stack([entry % part.per_row for part in entry_lay.parts], axis=-1)
     row_bytes = sum(nbytes(x, 1) for x in c4)
 
     kernel = functools.partial(
@@ -174,12 +178,12 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
             grid=(batch,),
             in_specs=[
                 *tpu_pipeline.query_window_specs(groups, heads, dim, window),
-                tpu_pipeline.per_row((padded, len(entry_lay.parts))),
                 *[pl.BlockSpec(memory_space=pltpu.HBM)] * len(c4),
             ],
             out_specs=tpu_pipeline.output_spec(heads, dim),
             scratch_shapes=[*(pltpu.VMEM((2, block, x.shape[-1]), x.dtype) for x in c4),
                             pltpu.VMEM((2, block, 128), jnp.float32),
+                            pltpu.VMEM((2, block, 128), jnp.int32),
                             pltpu.SemaphoreType.DMA((2,))],
         ),
         out_shape=tpu_pipeline.output_shape(batch, heads, dim),
@@ -194,4 +198,4 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
     )(layers, q_pos.astype(jnp.int32), kv_end.astype(jnp.int32), slot_ids.astype(jnp.int32),
       page_rows.astype(jnp.int32).reshape(-1), picks.reshape(-1), blocks,
       *tpu_pipeline.query_window_inputs(groups, q, lane_freq, sink), *in_hbm(window),
-      pick_slots.astype(jnp.int32), *in_hbm(c4))
+      *in_hbm(c4))
