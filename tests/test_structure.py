@@ -83,8 +83,8 @@ RULES = {
                    r"|\bClassicalPool\b|\bStatePool\b|cache\.pages\b|replace\(pages="
                    r"|\.pages\.(page_table|refcount|num_free|free_stack)\b")),
     "every read of a chunk goes through ops.read (no reference read called elsewhere)": (
-        {"ops/__init__.py", "ops/choice.py", "ops/attention.py", "ops/indexer.py",
-         "ops/compressor.py"},
+        {"ops/__init__.py", "ops/doors.py", "ops/choice.py", "ops/attention.py",
+         "ops/indexer.py", "ops/compressor.py"},
         re.compile(r"\b(attention\.(attend|sparse_decode_attention|dense_decode_attention)"
                    r"|indexer\.(index_scores|index_topk|running_topk|key_scores|picks_from_scores)"
                    r"|compressor\.emit_entries(_online)?)\(")),

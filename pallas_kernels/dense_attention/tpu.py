@@ -46,11 +46,11 @@ def supported(model, geometry, spec=None) -> str | None:
 
 def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
             groups: decode.KeyGroups, pages_per_block: int, entries_per_page: int,
-            max_pages: int, ratio: int, window: int, scale: float):
+            max_pages: int, ratio: int, window: int, scale: float, entries: bool):
     del slot_ref  # consumed by the window blocks' index maps
     n = len(groups.layouts)
     window_lay, entry_lay = groups.window_layout, groups.entries_layout
-    nw, ne = len(window_lay.parts), len(entry_lay.parts)
+    nw, ne = len(window_lay.parts), len(entry_lay.parts) if entries else 0
     q_ref, table_refs, (freq_ref, sink_ref) = refs[0], refs[1:1 + n], refs[1 + n:3 + n]
     refs = refs[3 + n:]
     window_refs, c128_hbm = refs[:nw], refs[nw:nw + ne]
@@ -73,6 +73,9 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, *refs,
                                                                     window))
     state = decode.fold_window(decode.sink_state(groups, sink_ref[...]), q[gw], ring, q_pos,
                                kv_end, window, scale, group=gw)
+    if not entries:  # a window-only read (an SWA layer)
+        tpu_pipeline.write_output(o_ref, groups, state, table_refs, q_pos, freq_ref)
+        return
     block_entries = pages_per_block * entries_per_page
     tiles_slots = [lanes.slots(part, block_entries, entries_per_page)
                    for part in entry_lay.parts]
@@ -99,7 +102,8 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
                            block_sizes: BlockSizes | None = None, interpret: bool = False,
                            entry_format: str = "float32", window_format: str = "float32",
                            rope_dim: int = 0, entry_lanes=(), window_lanes=()):
-    """One decode query per slot over its window and every visible C128 entry.
+    """One decode query per slot over its window and every visible C128 entry (c128 None:
+    over its window alone, an SWA layer's read).
 
     Args:
       q: f32[B, H, hd] queries (RoPE applied). sink: f32[H].
@@ -119,22 +123,26 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
     """
     batch, heads, dim = q.shape
     lane_freq = lane_frequencies(inv_freq, dim)
-    groups = decode.KeyGroups.of(
-        formats.layout(window_format, dim, rope_dim, "tpu", window_lanes),
-        formats.layout(entry_format, dim, rope_dim, "tpu", entry_lanes))
-    entry_lay, window_lay = groups.entries_layout, groups.window_layout
+    window_lay = formats.layout(window_format, dim, rope_dim, "tpu", window_lanes)
+    entries = c128 is not None
+    if not entries:  # the window alone: no page is read
+        c128, c128_layer, page_rows = (), 0, jnp.full((batch, 1), -1, jnp.int32)
+    groups = decode.KeyGroups.of(window_lay, formats.layout(
+        entry_format, dim, rope_dim, "tpu", entry_lanes) if entries else window_lay)
+    entry_lay = groups.entries_layout
     window_len, epp = window_lay.records, entry_lay.records
     formats.check_stored(window_lay, window, "window")
-    formats.check_stored(entry_lay, c128, "c128")
-    max_pages = page_rows.shape[1]
-    bs = (block_sizes or BlockSizes()).clamped(max_pages * epp, heads)
-    ppb = min(bs.pages_per_block(epp), max_pages)
+    if entries:
+        formats.check_stored(entry_lay, c128, "c128")
+    max_pages = page_rows.shape[1] if entries else 0
+    bs = (block_sizes or BlockSizes()).clamped(max(max_pages, 1) * epp, heads)
+    ppb = max(1, min(bs.pages_per_block(epp), max_pages))
     layers = jnp.concatenate([layer_index(window_layer), layer_index(c128_layer)])
     page_bytes = sum(nbytes(x, 2) for x in c128)
 
     kernel = functools.partial(
         _kernel, groups=groups, pages_per_block=ppb, entries_per_page=epp, max_pages=max_pages,
-        ratio=ratio, window=window_len, scale=dim**-0.5)
+        ratio=ratio, window=window_len, scale=dim**-0.5, entries=entries)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -152,7 +160,7 @@ def dense_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_en
         out_shape=tpu_pipeline.output_shape(batch, heads, dim),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
-        name="v4kv_hca_dense_decode_attention",
+        name="v4kv_hca_dense_decode_attention" if entries else "v4kv_swa_decode_attention",
         cost_estimate=cost_estimate(
             flops=4 * batch * heads * dim * (max_pages * epp + window_len),
             transcendentals=batch * heads * (max_pages * epp + window_len),

@@ -175,7 +175,8 @@ def _run_core(options):
 @pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
 def test_core_decode_step_calls_the_kernels(implementation):
     """A decode step (T = 1) of a cache configured for kernels calls all four of them, and
-    with the TPU's, the in-place writes of the window and tail rows."""
+    with the TPU's, the in-place writes of the window and tail rows and the SWA layers'
+    window-only read."""
     options = v4.Options(implementation=implementation, interpret=True)
     data = synthetic.SyntheticBatch.draw(MODEL, 3, 1, seed=0)
     zeros = np.zeros(3, int)
@@ -183,7 +184,8 @@ def test_core_decode_step_calls_the_kernels(implementation):
         v4.init_cache(MODEL, GEOMETRY), data.take(zeros), data.stacked_queries(zeros),
         data.weights, jnp.arange(3), jnp.ones(3, jnp.int32), options)
     suffix = "_gpu" if implementation == "pallas_gpu" else ""
-    writes = {"v4kv_write_records"} if implementation == "pallas_tpu" else set()
+    writes = ({"v4kv_write_records", "v4kv_swa_decode_attention"}
+              if implementation == "pallas_tpu" else set())
     assert _kernel_names(jaxpr) == writes | {
         f"v4kv_{name}{suffix}" for name in ("compress_emit", "indexer_scores",
                                             "csa_sparse_decode_attention",
