@@ -87,7 +87,8 @@ def _kernels(compiled) -> set[str]:
     text = compiled.as_text()
     return {name for name in ("v4kv_compress_emit", "v4kv_indexer_scores",
                               "v4kv_csa_sparse_decode_attention",
-                              "v4kv_hca_dense_decode_attention", "v4kv_write_records")
+                              "v4kv_hca_dense_decode_attention", "v4kv_write_records",
+                              "v4kv_swa_decode_attention")
             if name in text}
 
 
@@ -139,7 +140,7 @@ def test_the_programs_that_take_the_cache_keep_it_in_place(generation):
             compiled, cache = sweep.cache_program(name, model, geometry, tokens, device)
             _assert_in_place(compiled, cache, allowance, (width, name))
             if width == "tiny" and name == "decode":  # the kernels "auto" picks
-                assert len(_kernels(compiled)) == 5, name  # with the row writes
+                assert len(_kernels(compiled)) == 6, name  # with the row writes, SWA's read
 
 
 def _assert_in_place(compiled, cache, allowance_mib: float, what) -> None:
@@ -193,12 +194,12 @@ def test_every_cache_array_is_row_major_and_unpadded_on_a_tpu(width):
 @pytest.mark.time_limit(280)
 def test_auto_compiles_the_step_with_the_tpu_kernels_on_a_v4():
     """Decode and a prefill chunk of the public step program, "auto", at the tests' widths,
-    for a v4 chip: the decode step holds all four TPU kernels and the in-place row writes,
-    the chunk the emission (its reads and writes are the reference's), and the cache is
-    updated in place (aliased, not copied)."""
+    for a v4 chip: the decode step holds the four TPU kernels, the in-place row writes and
+    the SWA layers' read, the chunk the emission (its reads and writes are the reference's),
+    and the cache is updated in place (aliased, not copied)."""
     model, geometry = v4.tiny(), sweep.geometry_for("float32", 128, 4, context=512)
     program = programs.PROGRAMS["step.append_and_attend"]
-    for tokens, kernels in ((1, 5), (16, 1)):
+    for tokens, kernels in ((1, 6), (16, 1)):
         args = _step_arguments(model, geometry, 4, tokens)
         compiled = targets.compile_for(program, *args, target=_device("v4"),
                                        options=v4.Options(), mesh=None)
@@ -273,7 +274,7 @@ def test_the_data_parallel_step_compiles_for_four_chips_without_collectives():
         targets.abstract(slot_ids, by_row), targets.abstract(n_new, by_row),
         options=v4.Options(), mesh=mesh)
     assert not any(meshes.collectives(compiled.as_text()).values())
-    assert len(_kernels(compiled)) == 5
+    assert len(_kernels(compiled)) == 6
 
 
 def test_the_slices_cover_every_width_page_size_and_batch():
@@ -315,4 +316,4 @@ def test_the_kernels_page_recipe_compiles_v4_flash_for_a_v5e_as_written():
     # V4-Flash's whole decode step (43 layers, release formats): the cache kept in place.
     _assert_in_place(scope["compiled"], scope["cache"], 64, "V4-Flash decode step")
     text = scope["compiled"].as_text()
-    assert len(_kernels(scope["compiled"])) == 5 and "v4kv_compress_online" in text
+    assert len(_kernels(scope["compiled"])) == 6 and "v4kv_compress_online" in text
