@@ -154,7 +154,8 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
     kernels = collections.Counter(
         name for name in ("v4kv_compress_emit", "v4kv_compress_online", "v4kv_indexer_scores",
                           "v4kv_csa_sparse_decode_attention",
-                          "v4kv_hca_dense_decode_attention", "v4kv_write_records")
+                          "v4kv_hca_dense_decode_attention", "v4kv_swa_decode_attention",
+                          "v4kv_write_records")
         for _ in range(text.count(name)))
     laid_out = pools.laid_out(model, geometry, generation)
     computations = hlo_operations(text)
