@@ -285,6 +285,12 @@ def test_decode_attention_after_decode_step_equals_layer_step():
     via_forward, out = step.append_and_attend(jax.tree.map(jnp.copy, cache), vectors,
                                     data.stacked_queries(lengths), data.weights, np.arange(3),
                                     np.ones(3, np.int32))
+    # The layers unrolled (one after the other, outputs stacked once) run the same step.
+    unrolled, out_unrolled = step.append_and_attend(
+        jax.tree.map(jnp.copy, cache), vectors, data.stacked_queries(lengths), data.weights,
+        np.arange(3), np.ones(3, np.int32), options=v4.Options(unroll_layers=True))
+    np.testing.assert_allclose(out_unrolled, out, atol=1e-6)
+    chex.assert_trees_all_close(unrolled, via_forward, atol=1e-6)
     cache = v4.decode_step(cache, vectors, data.weights)
     np.testing.assert_array_equal(cache.state.lengths, via_forward.state.lengths)
     for layer, kind in enumerate(MODEL.layer_kinds):

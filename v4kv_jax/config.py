@@ -366,10 +366,11 @@ class Options:
         pages); the loop runs over used pages only, so its cost follows the context.
       hca_read_entries: C128 entries the reference reads per loop step (whole pages).
       query_tile: queries per tile in prefill attention (bounds memory, not results).
-      unroll_layers: run the layers of a kind one after the other in the program instead of
-        in a `lax.scan` (`step.layers_step`, `step.decode_attention_all`): the same results,
-        a program that grows with the layers and compiles longer; XLA's cost analysis then
-        counts every layer (it counts a loop's body once).
+      unroll_layers: run the layers one after the other in the program instead of in a
+        `lax.scan` per kind (`step.layers_step`, `step.decode_attention_all`): each layer's
+        inputs a static slice, the outputs stacked once; the same results, a program that
+        grows with the layers and compiles longer; XLA's cost analysis then counts every
+        layer (it counts a loop's body once).
     """
 
     implementation: str = "auto"

@@ -189,29 +189,60 @@ def decode_attention_all(cache: Cache, queries: Queries, slot_ids, *,
         checks.int_array("slot_ids", slot_ids, ndim=1, lo=0, hi=cache.geometry.max_slots - 1)
     slot_ids = jnp.asarray(slot_ids, jnp.int32)
     check_queries(cache, None, queries, slot_ids.shape[0], 1)
-    out = jnp.zeros((model.num_layers, *queries.q.shape[1:]), jnp.float32)
+
+    def inputs(kind, glob, index):
+        q = Queries(q=queries.q[glob], sink=queries.sink[glob])
+        if kind == LayerKind.CSA:
+            q = q.replace(**_kind_layer(index, index_q=queries.index_q,
+                                        index_weights=queries.index_weights))
+        return {"ref": _ref(kind, glob, index), "q": q}
+
+    def body(_, x):
+        return None, decode_attention(cache, x["ref"], x["q"], slot_ids, options=options)
+
+    _, out = _over_layers(model, options, body, None, inputs)
+    return out
+
+
+def _ref(kind: LayerKind, glob, index) -> LayerRef:
+    return LayerRef(jnp.asarray(glob, jnp.int32), jnp.asarray(index, jnp.int32), kind)
+
+
+def _kind_layer(at, /, **stacks) -> dict:
+    """Each stack over a kind's layers at `at` (an int: one layer), or whole (an array of
+    every layer's index: for a scan over them)."""
+    if isinstance(at, int):
+        return jax.tree.map(lambda v: v[at], stacks)
+    return stacks
+
+
+def _over_layers(model, options: Options | None, body, carry, inputs):
+    """Runs `body(carry, x) -> (carry, y)` over every layer, kind by kind, `x = inputs(kind,
+    glob, index)` (the layers' global indices and their indices in their kind's stack):
+    (carry, the y's stacked in layer order, [n_layers, ...]).
+
+    A `lax.scan` per kind (the program's size does not grow with the layers), its outputs
+    scattered to their layers; with `Options.unroll_layers`, one layer after the other with
+    static indices (each layer's inputs a slice) and the outputs stacked once at the end.
+    """
+    if _options(options).unroll_layers:
+        outs = {}
+        for kind in LayerKind:
+            for i, layer in enumerate(model.layers_of(kind)):
+                carry, outs[layer] = body(carry, inputs(kind, layer, i))
+        return carry, jnp.stack([outs[layer] for layer in range(model.num_layers)])
+    out = None
     for kind in LayerKind:
         layers = model.layers_of(kind)
         if not layers:
             continue
         glob = jnp.asarray(layers, jnp.int32)
-        xs = {"ref": LayerRef(glob, jnp.arange(len(layers), dtype=jnp.int32), kind),
-              "q": Queries(q=queries.q[glob], sink=queries.sink[glob])}
-        if kind == LayerKind.CSA:
-            xs["q"] = xs["q"].replace(index_q=queries.index_q,
-                                      index_weights=queries.index_weights)
-
-        def body(_, x):
-            return None, decode_attention(cache, x["ref"], x["q"], slot_ids, options=options)
-
-        _, o = jax.lax.scan(body, None, xs, unroll=_unroll(options, layers))
+        carry, o = jax.lax.scan(body, carry,
+                                inputs(kind, glob, jnp.arange(len(layers), dtype=jnp.int32)))
+        if out is None:
+            out = jnp.zeros((model.num_layers, *o.shape[1:]), o.dtype)
         out = out.at[glob].set(o)
-    return out
-
-
-def _unroll(options: Options | None, layers) -> int:
-    """`lax.scan`'s unroll over a kind's layers: all of them with `Options.unroll_layers`."""
-    return len(layers) if _options(options).unroll_layers else 1
+    return carry, out
 
 
 def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: Queries,
@@ -233,46 +264,36 @@ def layers_step(cache: Cache, plan: AppendPlan, vectors: TokenVectors, queries: 
     """
     checks.alive("cache", cache)
     model = cache.attn_config
-    out = None
-    below = jnp.zeros((), jnp.float32)
-    for kind in LayerKind:
-        layers = model.layers_of(kind)
-        if not layers:
-            continue
-        glob = jnp.asarray(layers, jnp.int32)
-        xs = {
-            "ref": LayerRef(glob, jnp.arange(len(layers), dtype=jnp.int32), kind),
-            "window": vectors.window[glob],
-            "q": queries.q[glob],
-            "sink": queries.sink[glob],
-        }
+
+    def inputs(kind, glob, index):
+        x = {"ref": _ref(kind, glob, index), "window": vectors.window[glob],
+             "q": queries.q[glob], "sink": queries.sink[glob]}
         if kind == LayerKind.CSA:
-            xs.update(main=vectors.csa, index=vectors.csa_index, main_p=weights.csa,
-                      index_p=weights.csa_index, index_q=queries.index_q,
-                      index_weights=queries.index_weights)
+            x.update(_kind_layer(index, main=vectors.csa, index=vectors.csa_index,
+                                 main_p=weights.csa, index_p=weights.csa_index,
+                                 index_q=queries.index_q,
+                                 index_weights=queries.index_weights))
         elif kind == LayerKind.HCA:
-            xs.update(main=vectors.hca, main_p=weights.hca)
+            x.update(_kind_layer(index, main=vectors.hca, main_p=weights.hca))
+        return x
 
-        def body(carry, x):
-            cache, below = carry
-            # A layer's writes come after the read of the layer below, as in a model (whose
-            # layer inputs are the output below): else XLA may write a plane in place while
-            # the read below still needs it, and copies the whole plane first.
-            layer_vectors = jax.tree.map(
-                lambda v: append.after(v, below),
-                vec.LayerVectors(x["window"], x.get("main"), x.get("index")))
-            params = vec.LayerParams(x.get("main_p"), x.get("index_p"))
-            q = Queries(q=x["q"], sink=x["sink"], index_q=x.get("index_q"),
-                        index_weights=x.get("index_weights"))
-            cache, o = layer_step(cache, plan, x["ref"], layer_vectors, q, params,
-                                  options=options)
-            return (cache, o.ravel()[0]), o
+    def body(carry, x):
+        cache, below = carry
+        # A layer's writes come after the read of the layer below, as in a model (whose
+        # layer inputs are the output below): else XLA may write a plane in place while
+        # the read below still needs it, and copies the whole plane first.
+        layer_vectors = jax.tree.map(
+            lambda v: append.after(v, below),
+            vec.LayerVectors(x["window"], x.get("main"), x.get("index")))
+        params = vec.LayerParams(x.get("main_p"), x.get("index_p"))
+        q = Queries(q=x["q"], sink=x["sink"], index_q=x.get("index_q"),
+                    index_weights=x.get("index_weights"))
+        cache, o = layer_step(cache, plan, x["ref"], layer_vectors, q, params,
+                              options=options)
+        return (cache, o.ravel()[0]), o
 
-        (cache, below), o = jax.lax.scan(body, (cache, below), xs,
-                                         unroll=_unroll(options, layers))
-        if out is None:
-            out = jnp.zeros((model.num_layers, *o.shape[1:]), o.dtype)
-        out = out.at[glob].set(o)
+    (cache, _), out = _over_layers(model, options, body,
+                                   (cache, jnp.zeros((), jnp.float32)), inputs)
     return cache, out
 
 
