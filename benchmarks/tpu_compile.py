@@ -33,6 +33,13 @@ These are the compiler's estimates, never measurements (no TPU ran anything).
     python benchmarks/tpu_compile.py --cache-layout default auto   # the pools' layouts
     python benchmarks/tpu_compile.py --programs  # every program that takes the cache
     python benchmarks/tpu_compile.py --sweep  # every kernel over the product
+    python benchmarks/tpu_compile.py --shares --widths flash --generations v5e \
+        --contexts 32768 --batches 4          # who the est. step's bytes are charged to
+
+`--shares` splits the est. step: the unrolled step compiled again with one kind of kernel's
+cost estimate set to 0 bytes (its share: the difference), and with every kernel's (what XLA
+charges its own ops), beside what XLA:TPU charges a small gather and scatter of int32 ids,
+and the same lookups as selects over an iota.
 
 `--sweep` compiles every Pallas TPU kernel, one op at a time, over generations x widths x
 formats x page sizes x batches (`v4kv_jax.testing.compile_sweep`) and prints where
@@ -43,6 +50,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import importlib
 import os
 import re
 import time
@@ -262,6 +271,110 @@ def run_programs(args) -> dict:
     return dict(programs=rows)
 
 
+# The kernels' modules, by the name --shares gives their share.
+KERNEL_MODULES = {
+    "sparse read": "pallas_kernels.sparse_attention.tpu",
+    "dense read (HCA, SWA)": "pallas_kernels.dense_attention.tpu",
+    "indexer": "pallas_kernels.indexer.tpu",
+    "compressors": "pallas_kernels.compressor.tpu",
+    "writes": "pallas_kernels.records",
+}
+
+
+@contextlib.contextmanager
+def kernel_bytes_zeroed(names):
+    """The kernels of `names` (KERNEL_MODULES keys) charge 0 bytes while inside: each
+    module's `cost_estimate` wrapped (they import it by name)."""
+    saved = {}
+    for name in names:
+        module = importlib.import_module(KERNEL_MODULES[name])
+        saved[module] = module.cost_estimate
+        module.cost_estimate = (lambda real: lambda flops, bytes_accessed, transcendentals=0:
+                                real(flops, 0, transcendentals))(module.cost_estimate)
+    jax.clear_caches()  # the programs traced before still hold the old estimates
+    try:
+        yield
+    finally:
+        for module, real in saved.items():
+            module.cost_estimate = real
+        jax.clear_caches()
+
+
+def _estimate(fn, args, device, donate=()) -> float:
+    compiled = jax.jit(fn, donate_argnums=donate).trace(*targets.abstract(args, device)).lower(
+    ).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    return cost.get("bytes accessed") or 0.0
+
+
+def index_charges(device) -> dict:
+    """Bytes XLA:TPU charges 8 int32 ids looked up in, or written into, s32[1029] (a free
+    stack, a refcount array), as a gather / scatter and as selects over an iota."""
+    table = jax.ShapeDtypeStruct((1029,), np.int32)
+    ids = jax.ShapeDtypeStruct((4, 2), np.int32)
+
+    def select_gather(x, i):
+        hit = np.arange(x.shape[0])[None, None, :] == i[..., None]
+        return jax.numpy.max(jax.numpy.where(hit, x[None, None, :], np.iinfo(np.int32).min),
+                             axis=-1)
+
+    def select_scatter(x, i, v):
+        hit = np.arange(x.shape[0])[:, None] == i.reshape(-1)[None, :]
+        value = jax.numpy.max(jax.numpy.where(hit, v.reshape(-1)[None, :],
+                                              np.iinfo(np.int32).min), axis=-1)
+        return jax.numpy.where(hit.any(-1), value, x)
+
+    return {
+        "gather": _estimate(lambda x, i: x[jax.numpy.clip(i, 0, None)], (table, ids), device),
+        "gather as selects": _estimate(select_gather, (table, ids), device),
+        "scatter": _estimate(lambda x, i, v: x.at[i].set(v, mode="drop"), (table, ids, ids),
+                             device, donate=(0,)),
+        "scatter as selects": _estimate(select_scatter, (table, ids, ids), device,
+                                        donate=(0,)),
+    }
+
+
+def _step_estimate(step_args, device, zeroed=()) -> float:
+    """XLA's estimated bytes of the unrolled step, the kernels of `zeroed` charged 0."""
+    with kernel_bytes_zeroed(zeroed):
+        compiled = _compile(step_args, device, "default", v4.Options(unroll_layers=True))
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    return cost.get("bytes accessed") or 0.0
+
+
+def run_shares(args) -> dict:
+    """Who the unrolled step's estimated bytes are charged to (module docstring)."""
+    rows = []
+    for widths in args.widths:
+        model = v4.flash() if widths == "flash" else bench_model(args)
+        for gen in args.generations:
+            device = targets.tpu_devices(targets.GENERATIONS[gen])[0]
+            charges = index_charges(device)
+            print(f"{gen}: 8 int32 ids in s32[1029]: " + ", ".join(
+                f"{k} {v / 1024:,.0f} KiB" for k, v in charges.items()), flush=True)
+            for context in args.contexts:
+                for batch in args.batches:
+                    geometry = geometry_for(args.formats, context, batch)
+                    step_args = step_arguments(model, geometry, batch)
+
+                    total = _step_estimate(step_args, device)
+                    shares = {name: total - _step_estimate(step_args, device, (name,))
+                              for name in KERNEL_MODULES}
+                    xla = _step_estimate(step_args, device, tuple(KERNEL_MODULES))
+                    must = v4_step_bytes(model, geometry, batch, context)
+                    rows.append(dict(widths=widths, generation=gen, context=context,
+                                     batch=batch, step_bytes=total, kernel_bytes=shares,
+                                     xla_bytes=xla, index_charges=charges,
+                                     must_read_bytes=must))
+                    print(f"{widths} widths, {gen} {context} tokens, batch {batch}: est. step "
+                          f"{total / MIB:,.1f} MiB (must read {must / MIB:,.1f}); "
+                          + ", ".join(f"{k} {v / MIB:,.1f}" for k, v in shares.items())
+                          + f"; XLA's own ops {xla / MIB:,.1f}", flush=True)
+    return dict(shares=rows)
+
+
 def run_sweep(args) -> dict:
     rows = []
     for row in compile_sweep.sweep(generations=args.generations, page_tokens=(128, 256),
@@ -292,6 +405,8 @@ def main(argv=None):
                    help="default: the TPU's own layout for each pool array (narrow packed "
                         "rows: pages minor); auto: the compiler's choice for the step")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--shares", action="store_true",
+                   help="split the est. step among the kernels and XLA's own ops")
     p.add_argument("--programs", action="store_true",
                    help="every program that takes the cache, tiny and V4-Flash widths")
     p.add_argument("--out", default=os.path.join(HERE, "results", "tpu_compile.json"))
@@ -303,6 +418,8 @@ def main(argv=None):
         return write_result(run_sweep(args), args.out)
     if args.programs:
         return write_result(run_programs(args), args.out)
+    if args.shares:
+        return write_result(run_shares(args), args.out)
     rows = []
     for widths in args.widths:
         model = v4.flash() if widths == "flash" else bench_model(args)
