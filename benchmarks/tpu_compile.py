@@ -125,6 +125,12 @@ def largest_operations(computations: dict, count: int = 10) -> list[dict]:
     return sorted(rows, key=lambda r: -r["bytes"])[:count]
 
 
+def cost_of(compiled) -> dict:
+    """XLA's cost analysis of a compiled program as one dict (empty where it has none)."""
+    cost = compiled.cost_analysis()
+    return cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+
+
 def _compile(args, device, cache_layout: str, options=None):
     """The step compiled for `device`; cache_layout "auto": the cache's layouts (in and out)
     left to the compiler (a caller would place the cache with `compiled.input_formats`)."""
@@ -156,8 +162,7 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
                     compile_s=round(time.perf_counter() - start, 1))
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    cost = cost_of(compiled)
     counts = hlo_counts(compiled)
     text = compiled.as_text()
     kernels = collections.Counter(
@@ -171,8 +176,7 @@ def compile_step(model, generation: str, formats: str, context: int, batch: int,
     copies = targets.cache_copies(compiled)
     try:  # every layer unrolled holds more at once than the loops do: it may not fit
         unrolled = _compile(args, device, cache_layout, v4.Options(unroll_layers=True))
-        step_cost = unrolled.cost_analysis()
-        step_cost = step_cost[0] if isinstance(step_cost, (list, tuple)) else (step_cost or {})
+        step_cost = cost_of(unrolled)
         unrolled_error = None
     except Exception as e:
         step_cost, unrolled_error = {}, str(e).split("\n")[0][:300]
@@ -303,9 +307,7 @@ def kernel_bytes_zeroed(names):
 def _estimate(fn, args, device, donate=()) -> float:
     compiled = jax.jit(fn, donate_argnums=donate).trace(*targets.abstract(args, device)).lower(
     ).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-    return cost.get("bytes accessed") or 0.0
+    return cost_of(compiled).get("bytes accessed") or 0.0
 
 
 def index_charges(device) -> dict:
@@ -339,9 +341,7 @@ def _step_estimate(step_args, device, zeroed=()) -> float:
     """XLA's estimated bytes of the unrolled step, the kernels of `zeroed` charged 0."""
     with kernel_bytes_zeroed(zeroed):
         compiled = _compile(step_args, device, "default", v4.Options(unroll_layers=True))
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
-    return cost.get("bytes accessed") or 0.0
+    return cost_of(compiled).get("bytes accessed") or 0.0
 
 
 def run_shares(args) -> dict:
