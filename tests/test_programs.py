@@ -7,6 +7,7 @@ import logging
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from v4kv_jax import programs
@@ -181,3 +182,57 @@ def test_a_gpu_program_leaves_cuda_or_rocm_to_lowering():
     finally:
         programs._PLATFORMS.reset(token)
     assert sorted(seen) == ["default", "gpu"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint32])
+@pytest.mark.parametrize("batched", [False, True])
+def test_lookup_selects_on_a_tpu_the_bits_a_gather_reads(dtype, batched):
+    """The TPU form of `programs.lookup` (compare against an iota, max over the rows) gives
+    the gather's bits: -0.0, infinities and NaN pass, indices out of range are clamped and
+    negative ones count from the end, as jnp indexing does."""
+    rng = np.random.default_rng(7)
+    shape = (3, 6, 5) if batched else (6, 5)
+    table = rng.standard_normal(shape) * 4
+    if jnp.issubdtype(dtype, jnp.floating):
+        flat = table.reshape(-1)
+        flat[:4] = [-0.0, np.inf, -np.inf, np.nan]
+    else:
+        table = rng.integers(0, 2**31 - 1, shape) * (-1 if dtype == jnp.int32 else 1)
+        table.reshape(-1)[:2] = [np.iinfo(np.int32).min, 0] if dtype == jnp.int32 else [
+            0, 2**31 - 1]
+    table = jnp.asarray(table, dtype)
+    index = jnp.asarray(rng.integers(-8, 9, (3, 4) if batched else (2, 4)), jnp.int32)
+    rows = shape[1 if batched else 0]
+    clamped = jnp.clip(jnp.where(index < 0, index + rows, index), 0, rows - 1)
+    want = (table[jnp.arange(3)[:, None], clamped] if batched else table[clamped])
+    got = programs._select_rows(table, clamped, batched=batched)
+    assert got.shape == want.shape == programs.lookup(table, index, batched=batched).shape
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    assert np.asarray(programs.lookup(table, index, batched=batched)).tobytes() == (
+        np.asarray(want).tobytes())
+
+
+@pytest.mark.parametrize("op", ["set", "max", "add"])
+def test_scatter_writes_on_a_tpu_the_bits_a_scatter_writes(op):
+    """The TPU form of `programs.scatter` equals XLA's scatter with out-of-range indices
+    (negative too) dropped: "set" with distinct indices, "max" and "add" with repeats."""
+    rng = np.random.default_rng(3)
+    for rest in ((), (3,)):
+        table = jnp.asarray(rng.integers(-50, 50, (9, *rest)), jnp.int32)
+        index = (jnp.asarray([4, -1, 0, 12, 8, 9]) if op == "set"
+                 else jnp.asarray([[4, 4, -3], [0, 9, 4]]))
+        values = jnp.asarray(rng.integers(-60, 60, (*index.shape, *rest)), jnp.int32)
+        kept = jnp.where((index >= 0) & (index < 9), index, 9)
+        want = getattr(table.at[kept], op)(values, mode="drop")
+        got = programs._select_scatter(table, kept, values, op=op)
+        assert np.array_equal(got, want)
+        assert np.array_equal(programs.scatter(table, index, values, op=op), want)
+        assert not np.array_equal(want, table)
+
+
+def test_scatter_names_a_bad_op_and_a_float_add():
+    table = jnp.zeros((4,), jnp.int32)
+    with pytest.raises(ValueError, match='op.*"set", "max" or "add".*min'):
+        programs.scatter(table, jnp.asarray([1]), 1, op="min")
+    with pytest.raises(TypeError, match="table.*integers.*float32"):
+        programs.scatter(jnp.zeros((4,)), jnp.asarray([1]), 1.0, op="add")

@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from v4kv_jax import checks
 
@@ -338,6 +339,108 @@ def platform_dependent(*args, default: Callable, **branches: Callable):
         return next(iter(kept.values()), default)(*args)
     # A GPU is CUDA or ROCm, which only lowering tells apart: it picks among the GPU branches.
     return jax.lax.platform_dependent(*args, default=default, **kept)
+
+
+# A lookup whose broadcast compare would touch more elements than this stays a gather.
+_SELECT_BUDGET = 1 << 24
+
+
+def lookup(table, index, *, batched: bool = False):
+    """`table[index]` (or, `batched`, `table[b, index[b]]` per leading row b), with an index
+    out of range clamped into it and a negative one counted from the end, as jnp indexing
+    does, compiled as the platform reads it best.
+
+    XLA:TPU charges a gather or a scatter of a handful of indices megabytes (a gather of 8
+    int32 from s32[1029]: 2.1 MiB by its cost analysis) however small the table; a compare
+    against an iota and a max over the table's rows, fused into one pass over it, is charged
+    the table's bytes. So a TPU program selects (where the compare stays within
+    `_SELECT_BUDGET` elements) and every other platform gathers. Both give the same bits:
+    exactly one row matches, every other row is replaced by the lowest value (-inf, or the
+    dtype's minimum) before the max, so -0.0, infinities and NaN pass unchanged.
+
+    Args:
+      table: [R, *rest], or `batched` [B, R, *rest].
+      index: integer [*ix], or `batched` [B, *ix].
+
+    Returns:
+      [*ix, *rest], or `batched` [B, *ix, *rest].
+    """
+    axis = 1 if batched else 0
+    rows = table.shape[axis]
+    index = jnp.asarray(index)
+    index = jnp.clip(jnp.where(index < 0, index + rows, index), 0, rows - 1)
+
+    def gather(table, index):
+        if not batched:
+            return table[index]
+        b = jnp.arange(table.shape[0]).reshape((-1,) + (1,) * (index.ndim - 1))
+        return table[b, index]
+
+    touched = index.size * rows * max(1, table[(0,) * (axis + 1)].size)
+    if touched > _SELECT_BUDGET or table.dtype == jnp.bool_:
+        return gather(table, index)
+    return platform_dependent(table, index, tpu=functools.partial(
+        _select_rows, batched=batched), default=gather)
+
+
+def _select_rows(table, index, *, batched: bool):
+    """`lookup`'s TPU form: [*ix, R, *rest] compares fused into a max over R."""
+    axis = 1 if batched else 0
+    rows, rest = table.shape[axis], table.shape[axis + 1:]
+    iota = jnp.arange(rows, dtype=index.dtype)
+    hit = (index[..., None] == iota).reshape(*index.shape, rows, *(1,) * len(rest))
+    if batched:
+        table = table.reshape(table.shape[0], *(1,) * (index.ndim - 1), rows, *rest)
+    low = (-jnp.inf if jnp.issubdtype(table.dtype, jnp.floating)
+           else jnp.iinfo(table.dtype).min)
+    return jnp.max(jnp.where(hit, table, jnp.array(low, table.dtype)), axis=index.ndim)
+
+
+def scatter(table, index, values, *, op: str):
+    """`table.at[index].<op>(values, mode="drop")` for op "set", "max" or "add" ("add" of
+    integers only), an index outside [0, R) (negative too) dropped, compiled as the platform
+    writes it best (`lookup`: on a TPU, compares against an iota fused into one pass over
+    the table). Both forms give the same bits where no index repeats ("max" and "add": also
+    where one does).
+
+    Args:
+      table: [R, *rest].
+      index: integer [*ix].
+      values: [*ix, *rest], or broadcastable to it.
+    """
+    if op not in ("set", "max", "add"):
+        checks.fail("op", '"set", "max" or "add"', repr(op))
+    if op == "add" and not jnp.issubdtype(table.dtype, jnp.integer):
+        checks.fail("table", 'integers for op="add"', str(table.dtype), TypeError)
+    rows = table.shape[0]
+    index = jnp.asarray(index)
+    index = jnp.where((index >= 0) & (index < rows), index, rows)
+    values = jnp.broadcast_to(jnp.asarray(values, table.dtype), index.shape + table.shape[1:])
+
+    def scattered(table, index, values):
+        return getattr(table.at[index], op)(values, mode="drop")
+
+    if index.size * table.size > _SELECT_BUDGET or table.dtype == jnp.bool_:
+        return scattered(table, index, values)
+    return platform_dependent(table, index, values, tpu=functools.partial(
+        _select_scatter, op=op), default=scattered)
+
+
+def _select_scatter(table, index, values, *, op: str):
+    """`scatter`'s TPU form: [k, R, *rest] compares fused into a reduction over the k."""
+    rows, rest = table.shape[0], table.shape[1:]
+    index, values = index.reshape(-1), values.reshape(-1, *rest)
+    hit = (index[:, None] == jnp.arange(rows, dtype=index.dtype)).reshape(
+        index.size, rows, *(1,) * len(rest))
+    values = values[:, None]
+    if op == "add":
+        return table + jnp.sum(jnp.where(hit, values, 0), axis=0, dtype=table.dtype)
+    low = jnp.array(-jnp.inf if jnp.issubdtype(table.dtype, jnp.floating)
+                    else jnp.iinfo(table.dtype).min, table.dtype)
+    top = jnp.max(jnp.where(hit, values, low), axis=0)
+    if op == "max":
+        return jnp.maximum(table, top)
+    return jnp.where(jnp.any(hit, axis=0), top, table)
 
 
 PROGRAMS: dict[str, Program] = {}

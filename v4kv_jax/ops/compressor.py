@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import pools, rope
+from v4kv_jax import pools, programs, rope
 from v4kv_jax.config import AttentionConfig
 from v4kv_jax.pools import paging
 from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
@@ -47,7 +47,8 @@ def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
 def biased_gate(spec: CompressorSpec, gate: jax.Array, ape: jax.Array,
                 positions: jax.Array) -> jax.Array:
     """z_t + ape[t mod m] in fp32. gate [B, T, w], positions i32[B, T]."""
-    return gate.astype(jnp.float32) + ape[positions % spec.ratio].astype(jnp.float32)
+    return gate.astype(jnp.float32) + programs.lookup(ape, positions % spec.ratio).astype(
+        jnp.float32)
 
 
 def tail_writes(spec: CompressorSpec, start: jax.Array, n_new: jax.Array, tokens: int
@@ -93,12 +94,12 @@ def pool_blocks(spec: CompressorSpec, config: AttentionConfig, tail_kv: jax.Arra
     first = (block - 1) * m if spec.overlap else block * m
     pos = first[..., None] + s  # [B, nb, slots]
     from_tail = pos < start[:, None, None]
-    bidx = jnp.arange(kv.shape[0])[:, None, None]
     ring_row = pos % spec.ring
     chunk_row = jnp.clip(pos - start[:, None, None], 0, tokens - 1)
 
     def source(tail, new):
-        return jnp.where(from_tail[..., None], tail[bidx, ring_row], new[bidx, chunk_row])
+        return jnp.where(from_tail[..., None], programs.lookup(tail, ring_row, batched=True),
+                         programs.lookup(new, chunk_row, batched=True))
 
     a, z = source(tail_kv, kv), source(tail_gate, gate)  # [B, nb, slots, in_width]
     if spec.overlap:
@@ -225,7 +226,6 @@ def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Arr
     nb = block.shape[1]
     k = block - start[:, None] // m
     lo = jnp.where(k == 0, start[:, None] % m, 0)  # first offset folded in this chunk
-    bidx = jnp.arange(kv.shape[0])[:, None]
     shape = (kv.shape[0], nb, kv.shape[2])
     first = k == 0
     carry = tuple(jnp.where(first[..., None], x[:, None, :], 0.0) for x in state)
@@ -237,7 +237,7 @@ def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Arr
         idx = block * m + offset - start[:, None]  # >= 0: offsets start at lo
         valid = ((offset < m) & (idx < n_new[:, None]))[..., None]
         row = jnp.clip(idx, 0, tokens - 1)
-        a, z = kv[bidx, row], gate[bidx, row]
+        a, z = (programs.lookup(x, row, batched=True) for x in (kv, gate))
         fresh = (offset == 0)[..., None]
         top = jnp.maximum(mx, z)
         c, e = jnp.exp(mx - top), jnp.exp(z - top)
@@ -257,7 +257,7 @@ def online_fold(spec: CompressorSpec, state: tuple[jax.Array, jax.Array, jax.Arr
         carry, _ = jax.lax.scan(fold, carry, jnp.arange(steps, dtype=jnp.int32))
     _, s, u = carry
     last = jnp.clip((start + n_new - 1) // m - start // m, 0, nb - 1)
-    new_state = tuple(x[jnp.arange(kv.shape[0]), last] for x in carry)
+    new_state = tuple(programs.lookup(x, last, batched=True) for x in carry)
     return new_state, u / s, block, done
 
 

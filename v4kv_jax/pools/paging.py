@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from v4kv_jax import checks
+from v4kv_jax import checks, programs
 from v4kv_jax.pools.lanes import Lanes
 
 
@@ -51,7 +51,7 @@ def slot_rows(pages: PageState, slot_ids: jax.Array) -> jax.Array:
     id outside [0, max_slots), so such a row reads no entry."""
     S = pages.page_table.shape[0]
     inside = (slot_ids >= 0) & (slot_ids < S)
-    rows = pages.page_table[jnp.clip(slot_ids, 0, S - 1)]
+    rows = programs.lookup(pages.page_table, jnp.clip(slot_ids, 0, S - 1))
     return jnp.where(inside[:, None], rows, -1)
 
 
@@ -84,7 +84,7 @@ def allocate(pages: PageState, slot_ids: jax.Array, new_lengths: jax.Array,
     Returns:
       (pages, granted bool[B]).
     """
-    rows = pages.page_table[slot_ids]
+    rows = programs.lookup(pages.page_table, slot_ids)
     held = held_pages(rows)
     need = jnp.where(wants, jnp.maximum(pages_for(new_lengths, page_tokens) - held, 0), 0)
 
@@ -98,12 +98,15 @@ def allocate(pages: PageState, slot_ids: jax.Array, new_lengths: jax.Array,
     j = jnp.arange(max_new_pages, dtype=jnp.int32)
     takes = granted[:, None] & (j[None, :] < need[:, None])  # [B, max_new]
     stack_pos = pages.num_free - 1 - offset[:, None] - j[None, :]
-    new_ids = jnp.where(takes, pages.free_stack[jnp.clip(stack_pos, 0, None)], -1)
+    new_ids = jnp.where(takes, programs.lookup(pages.free_stack, jnp.clip(stack_pos, 0, None)),
+                        -1)
     num_slots, max_pages = pages.page_table.shape
     row = jnp.where(takes, slot_ids[:, None], num_slots)  # out of bounds -> dropped
     col = jnp.where(takes, held[:, None] + j[None, :], max_pages)
-    page_table = pages.page_table.at[row, col].set(new_ids, mode="drop")
-    refcount = pages.refcount.at[jnp.where(takes, new_ids, pages.num_pages)].set(1, mode="drop")
+    flat = jnp.where((row < num_slots) & (col < max_pages), row * max_pages + col, -1)
+    page_table = programs.scatter(pages.page_table.reshape(-1), flat, new_ids,
+                                  op="set").reshape(num_slots, max_pages)
+    refcount = programs.scatter(pages.refcount, jnp.where(takes, new_ids, -1), 1, op="set")
     return pages.replace(page_table=page_table, num_free=remaining, refcount=refcount), granted
 
 
