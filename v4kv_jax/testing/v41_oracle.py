@@ -31,8 +31,6 @@ import numpy as np
 
 from v4kv_jax.testing import v41_records as records
 
-MODES = ("SWA", "Full", "Reindex", "Reuse")
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:

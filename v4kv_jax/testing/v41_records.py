@@ -168,12 +168,6 @@ def mxfp4_bytes(width: int) -> int:
     return width // 2 + width // MX_BLOCK
 
 
-def nvfp4_scales(x) -> np.ndarray:
-    """float64 block scales s_b = e4m3(max(amax_b, 6 * 2^-9) / 6) of x [..., d], [..., d/16]."""
-    blocks = _blocks(x, NVFP4_BLOCK, "nvfp4")
-    return e4m3_decode(e4m3_encode(_amax32(blocks, 6 * 2.0**-9) / np.float32(6)))
-
-
 def encode_nvfp4(x) -> np.ndarray:
     """uint8[..., d / 2 + d / 16] NVFP4 entry records of x [..., d] (V41_SPEC.md section 7a)."""
     blocks = _blocks(x, NVFP4_BLOCK, "nvfp4")
