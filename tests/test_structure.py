@@ -19,8 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "v4kv_jax"
 
 # Lowest first: a module may import only modules before it (and the package's own children).
-ORDER = ["checks", "config", "rope", "programs", "targets", "pools", "vectors", "mesh", "ops",
-         "append", "step", "prefix", "nn", "serve", "interop", "testing", "kernel_check", "cli"]
+ORDER = ["checks", "config", "config41", "plan", "rope", "programs", "targets", "pools",
+         "vectors", "mesh", "ops", "append", "step", "prefix", "nn", "serve", "interop",
+         "testing", "kernel_check", "cli"]
 
 
 def _unit(path: pathlib.Path) -> str:

@@ -3,7 +3,9 @@
 from v4kv_jax.append import AppendPlan, begin_append, end_append, replay_plan
 from v4kv_jax.checks import DonatedCacheError
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options, flash, pro, tiny
+from v4kv_jax.config41 import V41Config, flash41, tiny41
 from v4kv_jax.ops.attention import output_projection
+from v4kv_jax.plan import LayerPlan
 from v4kv_jax.pools import (
     Cache,
     MemoryReport,
@@ -61,13 +63,15 @@ __all__ = [
     "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "Completion", "CompressorInput",
     "CompressorParams", "CompressorWeights", "DonatedCacheError", "Engine", "EngineError",
     "EngineReport",
-    "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerRef", "LayerVectors",
+    "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerPlan", "LayerRef",
+    "LayerVectors",
     "MemoryReport", "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams",
-    "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "append_and_attend",
+    "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "V41Config",
+    "append_and_attend",
     "attach_prefix", "begin_append", "clear_flags", "compile_cache", "decode_attention",
-    "decode_step", "drop_pages", "end_append", "flash",
+    "decode_step", "drop_pages", "end_append", "flash", "flash41",
     "hold_pages", "init_cache", "inspect_slots", "layer_step", "layers_step", "load_pages",
     "memory_report", "output_projection", "prefill", "pro", "read_pages", "read_slot",
     "release_slot", "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state",
-    "tiny",
+    "tiny", "tiny41",
 ]

@@ -14,7 +14,11 @@ from v4kv_jax.interop.convert import (
     load_attention,
     set_norms,
 )
-from v4kv_jax.interop.hf_config import attention_config_from_hf, transformers_config_kwargs
+from v4kv_jax.interop.hf_config import (
+    attention_config_from_hf,
+    transformers_config_kwargs,
+    v41_config_from_hf,
+)
 from v4kv_jax.interop.names import OFFICIAL, TABLE, TRANSFORMERS, expected_shapes, layer_prefix
 from v4kv_jax.interop.safetensors_io import SafetensorsFile
 
@@ -23,5 +27,5 @@ __all__ = [
     "attention_config_from_hf", "attention_params", "attention_state", "checkpoint_tensors",
     "dequantize", "detect_layout", "expected_shapes", "layer_prefix", "load_attention",
     "load_into", "read_attention", "set_norms", "transformers_config_kwargs",
-    "write_attention",
+    "v41_config_from_hf", "write_attention",
 ]

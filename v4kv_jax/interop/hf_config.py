@@ -1,6 +1,7 @@
 """`AttentionConfig` from and to a DeepSeek-V4 `config.json` (transformers 5.23.0 fields, or the
 released checkpoint's, which uses the legacy `compress_ratios` / `qk_rope_head_dim` /
-`rope_scaling` keys that transformers folds in)."""
+`rope_scaling` keys that transformers folds in), and a `V41Config` from a DeepSeek-V4.1 one
+(`v41_config_from_hf`: its `text_config`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 
 from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax.config41 import V41Config
 
 LAYER_TYPES = {
     LayerKind.SWA: "sliding_attention",
@@ -241,6 +243,74 @@ def attention_config_from_hf(d: Mapping, **overrides) -> AttentionConfig:
     fields.update(_yarn(compress, where))
     fields.update(overrides)
     return AttentionConfig(**fields)
+
+
+def _layer_list(name: str, value) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        checks.fail(name, "a list of layer indices", repr(value), TypeError)
+    return tuple(_int(f"{name}[{i}]", v, lo=0) for i, v in enumerate(value))
+
+
+def v41_config_from_hf(d: Mapping, **overrides) -> V41Config:
+    """A `V41Config` from a DeepSeek-V4.1 config.json dict: the model's (its attention
+    fields nested in `text_config`) or the `text_config` itself (V41_SPEC.md section 1.1).
+
+    `compress_ratios` holds `num_hidden_layers` entries or more (the DSpark layers', which
+    are not attention layers of the backbone: dropped). `overrides` replace any field
+    afterwards.
+
+    Raises:
+      TypeError, ValueError: an entry of the wrong type or value or a missing one (the
+        message names it), and every `V41Config` check.
+    """
+    if not isinstance(d, Mapping):
+        checks.fail("d", "a config.json dict (or config.to_dict())", type(d).__name__,
+                    TypeError)
+    if "text_config" in d:
+        d = _mapping_or_none("text_config", d["text_config"]) or {}
+    fields = {f.name for f in dataclasses.fields(V41Config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        checks.fail("overrides", f"V41Config fields ({sorted(fields)})", unknown, TypeError)
+    layers = _int("num_hidden_layers", _field(d, "num_hidden_layers"))
+    ratios = _layer_list("compress_ratios", _field(d, "compress_ratios"))
+    if len(ratios) < layers:
+        checks.fail("compress_ratios", f"at least num_hidden_layers={layers} entries",
+                    f"{len(ratios)} entries")
+    scaling = _mapping_or_none("rope_scaling", d.get("rope_scaling")) or {}
+    candidate = d.get("candidate_source_layer_id", -1)
+    fields = dict(
+        hidden_size=_int("hidden_size", _field(d, "hidden_size")),
+        num_heads=_int("num_attention_heads", _field(d, "num_attention_heads")),
+        head_dim=_int("head_dim", _field(d, "head_dim")),
+        rope_dim=_int("qk_rope_head_dim", _field(d, "qk_rope_head_dim")),
+        q_lora_rank=_int("q_lora_rank", _field(d, "q_lora_rank")),
+        o_groups=_int("o_groups", _field(d, "o_groups")),
+        o_lora_rank=_int("o_lora_rank", _field(d, "o_lora_rank")),
+        window=_int("sliding_window", _field(d, "sliding_window")),
+        compress_ratios=ratios[:layers],
+        kv_source_layers=_layer_list("kv_source_layer_ids", _field(d, "kv_source_layer_ids")),
+        index_source_layers=_layer_list("index_source_layer_ids",
+                                        _field(d, "index_source_layer_ids")),
+        candidate_source_layer=-1 if candidate is None else _int(
+            "candidate_source_layer_id", candidate, lo=-1),
+        candidate_topk_blocks=_int("candidate_topk_blocks", d.get("candidate_topk_blocks",
+                                                                    2048)),
+        candidate_block_size=_int("candidate_block_size", d.get("candidate_block_size", 8)),
+        index_heads=_int("index_n_heads", _field(d, "index_n_heads")),
+        index_head_dim=_int("index_head_dim", _field(d, "index_head_dim")),
+        index_topk=_int("index_topk", _field(d, "index_topk")),
+        rope_theta=_real("rope_theta", d.get("rope_theta", 10000.0)),
+        compress_rope_theta=_real("compress_rope_theta", d.get("compress_rope_theta",
+                                                               160000.0)),
+        rms_eps=_real("rms_norm_eps", _field(d, "rms_norm_eps")),
+    )
+    if scaling:
+        fields.update(_yarn({"rope_type": "yarn", **scaling}, "rope_scaling"))
+    else:
+        fields["yarn_factor"] = 1.0
+    fields.update(overrides)
+    return V41Config(**fields)
 
 
 def transformers_config_kwargs(config: AttentionConfig, **extra) -> dict:
