@@ -82,6 +82,11 @@ fake-quantisation, `act_quant` with power-of-two scales):
   about 2^-117 (scales near 2^-126) can lose their smallest values to zero. fp8: a block
   with amax > 224 * 2^120 gets scale 2^120 (byte 247); its values >= 248 * 2^120 round to
   q = 256 and decode to inf (q * scale overflows fp32).
+
+DeepSeek-V4.1's records "nvfp4" (compressed entries), "mxfp8" (window rows) and "mxfp4" (index
+keys), V41_SPEC.md section 7: packed formats of any width a multiple of their block, every dim
+quantised, no rotation; their bytes, arithmetic and NaN / inf rules are `records41`'s
+docstring. Here they are dispatched like the others; no `CacheConfig` field accepts them yet.
 """
 
 from __future__ import annotations
@@ -96,9 +101,9 @@ from jax import lax
 
 from v4kv_jax import checks
 from v4kv_jax.config import STORAGE_FORMATS, AttentionConfig, CacheConfig
-from v4kv_jax.pools import lanes
+from v4kv_jax.pools import lanes, records41
 
-PACKED_FORMATS = ("fp8_latent", "fp4_index")
+PACKED_FORMATS = ("fp8_latent", "fp4_index") + records41.RECORD_FORMATS
 FORMATS = STORAGE_FORMATS + PACKED_FORMATS
 
 FP8_BLOCK, FP8_MAX = 64, 448.0
@@ -168,12 +173,15 @@ def stored_width(width: int, fmt: str, rope_dim: int = 0) -> int:
         return nope // 4 + rope_dim // 2 + _words(nb)
     if fmt == "fp4_index":
         return width // 8 + _words(_check_fp4(width))
+    if fmt in records41.RECORD_FORMATS:
+        return records41.record_words(width, fmt)
     dtype(fmt)
     return -(-width // 2) if fmt in HALF_FORMATS else width
 
 
 def row_bytes(width: int, fmt: str, rope_dim: int = 0) -> int:
-    """Bytes of one stored row of `width` values (fp8_latent 512 / 64: 584; fp4_index 128: 68)."""
+    """Bytes of one stored row of `width` values, padding included (fp8_latent 512 / 64: 584;
+    fp4_index 128: 68; nvfp4 512: 288, mxfp8 512: 528, mxfp4 128: 68)."""
     return stored_width(width, fmt, rope_dim) * int(np.dtype(dtype(fmt)).itemsize)
 
 
@@ -423,6 +431,8 @@ class RowCodec:
             return encode_fp8_latent(values, self.rope_dim)
         if self.fmt == "fp4_index":
             return encode_fp4_key(values)
+        if self.fmt in records41.RECORD_FORMATS:
+            return records41.encode(values, self.fmt)
         if self.fmt in HALF_FORMATS:
             return encode_halves(values, self.fmt)
         return jnp.asarray(values).astype(self.dtype)
@@ -433,6 +443,8 @@ class RowCodec:
             return decode_fp8_latent(stored, self.width, self.rope_dim)
         if self.fmt == "fp4_index":
             return decode_fp4_key(stored, self.width)
+        if self.fmt in records41.RECORD_FORMATS:
+            return records41.decode(stored, self.width, self.fmt)
         if self.fmt in HALF_FORMATS:
             return decode_halves(stored, self.width, self.fmt)
         return stored.astype(jnp.float32)
