@@ -33,6 +33,37 @@ class LayerKind(enum.IntEnum):
     HCA = 2
 
 
+def layer_ratios(value) -> tuple[int, ...]:
+    """`compress_ratios` as a tuple of integers >= 0 (a config's validation)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        checks.fail("compress_ratios", "a sequence of per-layer ratios", repr(value), TypeError)
+    ratios = tuple(value)
+    for i, r in enumerate(ratios):
+        checks.integer(f"compress_ratios[{i}]", r, lo=0)
+    return tuple(int(r) for r in ratios)
+
+
+def check_widths(config, positive: tuple[str, ...]) -> None:
+    """The checks an attention config of either family shares: the `positive` fields integers
+    >= 1, the RoPE bases, YaRN factor and eps positive, the YaRN betas real, the RoPE dims
+    even and within the head and the index head, the heads split into the output groups."""
+    for name in positive:
+        checks.integer(name, getattr(config, name), lo=1)
+    for name in ("rope_theta", "compress_rope_theta", "yarn_factor", "rms_eps"):
+        checks.real(name, getattr(config, name), lo=0.0, lo_open=True)
+    for name in ("yarn_beta_fast", "yarn_beta_slow"):
+        checks.real(name, getattr(config, name))
+    if config.rope_dim % 2 or config.rope_dim > config.head_dim:
+        checks.fail("rope_dim", f"an even integer <= head_dim={config.head_dim}",
+                    config.rope_dim)
+    if config.index_head_dim < config.rope_dim:
+        checks.fail("index_head_dim", f"an integer >= rope_dim={config.rope_dim}",
+                    config.index_head_dim)
+    if config.num_heads % config.o_groups:
+        checks.fail("num_heads", f"a multiple of o_groups={config.o_groups}", config.num_heads)
+
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Geometry of the attention layers (SPEC section 1). Field names follow the SPEC symbols.
@@ -82,28 +113,8 @@ class AttentionConfig:
     rms_eps: float = 1e-6
 
     def __post_init__(self):
-        ratios = self.compress_ratios
-        if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Iterable):
-            checks.fail("compress_ratios", "a sequence of per-layer ratios", repr(ratios),
-                        TypeError)
-        ratios = tuple(ratios)
-        for i, r in enumerate(ratios):
-            checks.integer(f"compress_ratios[{i}]", r, lo=0)
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in ratios))
-        for name in _POSITIVE_INTS:
-            checks.integer(name, getattr(self, name), lo=1)
-        for name in ("rope_theta", "compress_rope_theta", "yarn_factor", "rms_eps"):
-            checks.real(name, getattr(self, name), lo=0.0, lo_open=True)
-        for name in ("yarn_beta_fast", "yarn_beta_slow"):
-            checks.real(name, getattr(self, name))
-        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            checks.fail("rope_dim", f"an even integer <= head_dim={self.head_dim}",
-                        self.rope_dim)
-        if self.index_head_dim < self.rope_dim:
-            checks.fail("index_head_dim", f"an integer >= rope_dim={self.rope_dim}",
-                        self.index_head_dim)
-        if self.num_heads % self.o_groups:
-            checks.fail("num_heads", f"a multiple of o_groups={self.o_groups}", self.num_heads)
+        object.__setattr__(self, "compress_ratios", layer_ratios(self.compress_ratios))
+        check_widths(self, _POSITIVE_INTS)
         if self.csa_ratio == self.hca_ratio:
             checks.fail("csa_ratio", f"a ratio other than hca_ratio={self.hca_ratio}",
                         self.csa_ratio)

@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from v4kv_jax import checks
+from v4kv_jax.config import check_widths, layer_ratios
 
 # The fields that are sizes or counts: integers >= 1.
 _POSITIVE_INTS = ("hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
@@ -89,14 +90,7 @@ class V41Config:
     rms_eps: float = 1e-20
 
     def __post_init__(self):
-        ratios = self.compress_ratios
-        if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Iterable):
-            checks.fail("compress_ratios", "a sequence of per-layer ratios", repr(ratios),
-                        TypeError)
-        ratios = tuple(ratios)
-        for i, r in enumerate(ratios):
-            checks.integer(f"compress_ratios[{i}]", r, lo=0)
-        ratios = tuple(int(r) for r in ratios)
+        ratios = layer_ratios(self.compress_ratios)
         object.__setattr__(self, "compress_ratios", ratios)
         if not ratios:
             checks.fail("compress_ratios", "at least one layer", ratios)
@@ -106,20 +100,7 @@ class V41Config:
                     if set(bad) <= {4, 128} else "")
             checks.fail("compress_ratios", f"only ratios in {list(V41_RATIOS)}{hint}",
                         f"the ratios {bad}")
-        for name in _POSITIVE_INTS:
-            checks.integer(name, getattr(self, name), lo=1)
-        for name in ("rope_theta", "compress_rope_theta", "yarn_factor", "rms_eps"):
-            checks.real(name, getattr(self, name), lo=0.0, lo_open=True)
-        for name in ("yarn_beta_fast", "yarn_beta_slow"):
-            checks.real(name, getattr(self, name))
-        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
-            checks.fail("rope_dim", f"an even integer <= head_dim={self.head_dim}",
-                        self.rope_dim)
-        if self.index_head_dim < self.rope_dim:
-            checks.fail("index_head_dim", f"an integer >= rope_dim={self.rope_dim}",
-                        self.index_head_dim)
-        if self.num_heads % self.o_groups:
-            checks.fail("num_heads", f"a multiple of o_groups={self.o_groups}", self.num_heads)
+        check_widths(self, _POSITIVE_INTS)
         n = len(ratios)
         kv = _layers("kv_source_layers", self.kv_source_layers, n)
         index = _layers("index_source_layers", self.index_source_layers, n)
