@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import checks, ops, pools, programs
+from v4kv_jax import checks, ops, pools
 from v4kv_jax.config import Options
 from v4kv_jax.ops import compressor as comp
 from v4kv_jax.pools import Cache, SlotStatus, paging
@@ -187,22 +187,21 @@ def begin_append(cache: Cache, slot_ids, n_new, tokens: int, *, reject=None
     ok = in_range & ~broken
     ids = jnp.where(ok, slot_ids, S)
     read = jnp.clip(ids, 0, S - 1)
-    status = jnp.where(ok, programs.lookup(pools.status(cache), read), SlotStatus.FREE)
-    start = jnp.where(ok, programs.lookup(pools.lengths(cache), read), 0)
+    status = jnp.where(ok, pools.status(cache)[read], SlotStatus.FREE)
+    start = jnp.where(ok, pools.lengths(cache)[read], 0)
     wants = (n_new > 0) & (status == SlotStatus.ACTIVE)
     over = start + n_new > geo.max_seq_len
     max_new_pages = -(-tokens // geo.page_tokens) + 1
     pages, granted = paging.allocate(pools.page_state(cache), ids, start + n_new, wants & ~over,
                                      geo.page_tokens, max_new_pages)
     flag = jnp.where(over, SlotStatus.OVER_CAPACITY, SlotStatus.OUT_OF_PAGES)
-    new_status = programs.scatter(pools.status(cache), ids,
-                                  jnp.where(wants & ~granted, flag, status), op="max")
+    new_status = pools.status(cache).at[ids].max(jnp.where(wants & ~granted, flag, status),
+                                                mode="drop")
     # A broken row flags the slot it named, unless that slot is FREE (nothing to protect).
     named = jnp.where(in_range & broken, slot_ids, S)
-    current = programs.lookup(new_status, jnp.clip(named, 0, S - 1))
-    new_status = programs.scatter(
-        new_status, named,
-        jnp.where(current != SlotStatus.FREE, SlotStatus.REJECTED, SlotStatus.FREE), op="max")
+    current = new_status[jnp.clip(named, 0, S - 1)]
+    new_status = new_status.at[named].max(
+        jnp.where(current != SlotStatus.FREE, SlotStatus.REJECTED, SlotStatus.FREE), mode="drop")
     plan = AppendPlan(slot_ids=ids, start=start, n_new=jnp.where(granted, n_new, 0))
     return pools.with_slots(pools.with_page_state(cache, pages), status=new_status), plan
 
@@ -272,7 +271,7 @@ def end_append(cache: Cache, plan: AppendPlan) -> Cache:
     checks.alive("cache", cache)
     if plan.state_only:
         return cache
-    lengths = programs.scatter(pools.lengths(cache), plan.slot_ids, plan.n_new, op="add")
+    lengths = pools.lengths(cache).at[plan.slot_ids].add(plan.n_new, mode="drop")
     return pools.with_slots(cache, lengths=lengths)
 
 
