@@ -2,6 +2,8 @@
 
 Pair i is dims (2i, 2i+1) of the rotated slice. SWA layers use `rope_theta` without YaRN;
 CSA and HCA layers use `compress_rope_theta` with YaRN for every rotation in the layer.
+DeepSeek-V4.1 keeps the formula (V41_SPEC.md section 2): `inv_frequencies_v41` gives the base
+table of its ratio-0 layers and the compress table of its ratio-1 and ratio-2 layers.
 
 The frequency tables repeat, operation by operation in fp32, what transformers 5.23.0's
 `DeepseekV4RotaryEmbedding` (and the YaRN code of `modeling_rope_utils` it calls) computes,
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from v4kv_jax.config import AttentionConfig, LayerKind
+from v4kv_jax.config41 import V41Config
 
 
 def yarn_bounds(rope_dim: int, theta: float, original_max_position: int, beta_fast: float,
@@ -72,20 +75,41 @@ def _theta_powers(theta: float, rope_dim: int) -> np.ndarray:
     return np.array([base ** e for e in exponents], np.float32)
 
 
+def _frequency_table(rope_dim: int, theta: float, yarn: tuple | None) -> np.ndarray:
+    """f32[rope_dim // 2]: 1 / powers, or with `yarn` = (factor, original_max_position,
+    beta_fast, beta_slow) the YaRN blend of the module docstring."""
+    powers = _theta_powers(theta, rope_dim)
+    extrapolation = np.float32(1.0) / powers
+    if yarn is None:
+        return extrapolation
+    factor, original, beta_fast, beta_slow = yarn
+    interpolation = np.float32(1.0) / (np.float32(factor) * powers)
+    ramp = yarn_ramp(rope_dim, theta, original, beta_fast, beta_slow)
+    keep = np.float32(1.0) - ramp
+    return interpolation * (np.float32(1.0) - keep) + extrapolation * keep
+
+
 @functools.cache
 def inv_frequencies(config: AttentionConfig, kind: LayerKind) -> np.ndarray:
     """f32[rope_dim // 2]: the rotation frequency of each pair for layers of `kind`."""
-    r = config.rope_dim
-    theta = config.rope_base(kind)
-    powers = _theta_powers(theta, r)
-    extrapolation = np.float32(1.0) / powers
-    if not config.uses_yarn(kind):
-        return extrapolation
-    interpolation = np.float32(1.0) / (np.float32(config.yarn_factor) * powers)
-    ramp = yarn_ramp(r, theta, config.yarn_original_max_position, config.yarn_beta_fast,
-                     config.yarn_beta_slow)
-    keep = np.float32(1.0) - ramp
-    return interpolation * (np.float32(1.0) - keep) + extrapolation * keep
+    yarn = ((config.yarn_factor, config.yarn_original_max_position, config.yarn_beta_fast,
+             config.yarn_beta_slow) if config.uses_yarn(kind) else None)
+    return _frequency_table(config.rope_dim, config.rope_base(kind), yarn)
+
+
+@functools.cache
+def inv_frequencies_v41(config: V41Config, compressed: bool) -> np.ndarray:
+    """f32[rope_dim // 2]: a V4.1 layer's table (V41_SPEC.md section 2), by V4's formula.
+
+    `compressed` (a layer of ratio 1 or 2): `compress_rope_theta` with YaRN (when
+    `yarn_factor` > 1, as for V4), the table of every RoPE in such a layer; else the base
+    table of ratio-0 layers (`rope_theta`, no YaRN).
+    """
+    if not compressed:
+        return _frequency_table(config.rope_dim, config.rope_theta, None)
+    yarn = ((config.yarn_factor, config.yarn_original_max_position, config.yarn_beta_fast,
+             config.yarn_beta_slow) if config.yarn_factor > 1.0 else None)
+    return _frequency_table(config.rope_dim, config.compress_rope_theta, yarn)
 
 
 def rotate(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray,
