@@ -17,19 +17,6 @@ TINY = dict(hidden_size=64, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=3
             o_lora_rank=16, window=8, index_heads=4, index_head_dim=32)
 
 
-def _stack(config: v4.V41Config, **extra) -> oracle.V41Stack:
-    """The oracle's description of the same stack."""
-    return oracle.V41Stack(
-        compress_ratios=config.compress_ratios, kv_source_layer_ids=config.kv_source_layers,
-        index_source_layer_ids=config.index_source_layers,
-        candidate_source_layer_id=config.candidate_source_layer,
-        candidate_topk_blocks=config.candidate_topk_blocks,
-        candidate_block_size=config.candidate_block_size, index_topk=config.index_topk,
-        index_n_heads=config.index_heads, index_head_dim=config.index_head_dim,
-        head_dim=config.head_dim, qk_rope_head_dim=config.rope_dim,
-        num_attention_heads=config.num_heads, sliding_window=config.window, **extra)
-
-
 def _same_plan(ours, theirs) -> None:
     assert len(ours) == len(theirs)
     for p, q in zip(ours, theirs, strict=True):

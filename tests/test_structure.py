@@ -20,7 +20,7 @@ PACKAGE = ROOT / "v4kv_jax"
 
 # Lowest first: a module may import only modules before it (and the package's own children).
 ORDER = ["checks", "config", "config41", "plan", "rope", "programs", "targets", "pools",
-         "vectors", "mesh", "ops", "append", "step", "prefix", "nn", "serve", "interop",
+         "vectors", "mesh", "ops", "append", "step", "step41", "prefix", "nn", "serve", "interop",
          "testing", "kernel_check", "cli"]
 
 
@@ -79,7 +79,7 @@ RULES = {
         {"ops/choice.py"}, re.compile(r"^\s*(from|import) pallas_kernels|import_module\(", re.M)),
     "only the pools rooms reach pool storage (fields, page state) by name": (
         {"pools/tree.py", "pools/slots.py", "pools/transfers.py", "pools/report.py",
-         "pools/__init__.py", "pools/storage.py"},
+         "pools/__init__.py", "pools/storage.py", "pools/cache41.py"},
         re.compile(r"\.classical\b|\.state\.(window|lengths|status|csa|csa_index|hca)\b"
                    r"|\bClassicalPool\b|\bStatePool\b|cache\.pages\b|replace\(pages="
                    r"|\.pages\.(page_table|refcount|num_free|free_stack)\b")),

@@ -26,6 +26,7 @@ from v4kv_jax.pools import (
     restore_state,
     snapshot_state,
 )
+from v4kv_jax.pools.cache41 import Cache41, cache_config41, init_cache41
 from v4kv_jax.programs import compile_cache
 from v4kv_jax.serve import (
     Completion,
@@ -48,6 +49,7 @@ from v4kv_jax.step import (
     prefill,
     replay,
 )
+from v4kv_jax.step41 import LayerVectors41, LayerWeights41, Step41, decode_step41, prefill41
 from v4kv_jax.vectors import (
     CompressorInput,
     CompressorParams,
@@ -60,18 +62,16 @@ from v4kv_jax.vectors import (
 )
 
 __all__ = [
-    "AppendPlan", "AttentionConfig", "Cache", "CacheConfig", "Completion", "CompressorInput",
-    "CompressorParams", "CompressorWeights", "DonatedCacheError", "Engine", "EngineError",
-    "EngineReport",
-    "GenerationResult", "Generator", "LayerKind", "LayerParams", "LayerPlan", "LayerRef",
-    "LayerVectors",
-    "MemoryReport", "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams",
-    "SlotStatus", "StateSnapshot", "StreamOutput", "TokenVectors", "V41Config",
-    "append_and_attend",
-    "attach_prefix", "begin_append", "clear_flags", "compile_cache", "decode_attention",
-    "decode_step", "drop_pages", "end_append", "flash", "flash41",
-    "hold_pages", "init_cache", "inspect_slots", "layer_step", "layers_step", "load_pages",
-    "memory_report", "output_projection", "prefill", "pro", "read_pages", "read_slot",
-    "release_slot", "replay", "replay_plan", "reset_slot", "restore_state", "snapshot_state",
-    "tiny", "tiny41",
+    "AppendPlan", "AttentionConfig", "Cache", "Cache41", "CacheConfig", "Completion",
+    "CompressorInput", "CompressorParams", "CompressorWeights", "DonatedCacheError", "Engine",
+    "EngineError", "EngineReport", "GenerationResult", "Generator", "LayerKind", "LayerParams",
+    "LayerPlan", "LayerRef", "LayerVectors", "LayerVectors41", "LayerWeights41", "MemoryReport",
+    "Options", "Queries", "RequestMetrics", "RequestOutput", "SamplingParams", "SlotStatus",
+    "StateSnapshot", "Step41", "StreamOutput", "TokenVectors", "V41Config", "append_and_attend",
+    "attach_prefix", "begin_append", "cache_config41", "clear_flags", "compile_cache",
+    "decode_attention", "decode_step", "decode_step41", "drop_pages", "end_append", "flash",
+    "flash41", "hold_pages", "init_cache", "init_cache41", "inspect_slots", "layer_step",
+    "layers_step", "load_pages", "memory_report", "output_projection", "prefill", "prefill41",
+    "pro", "read_pages", "read_slot", "release_slot", "replay", "replay_plan", "reset_slot",
+    "restore_state", "snapshot_state", "tiny", "tiny41",
 ]

@@ -231,9 +231,12 @@ PRESETS = {"flash": flash, "pro": pro, "tiny": tiny}
 STORAGE_FORMATS = ("float32", "bfloat16", "float16")
 # The packed formats of the official release (`v4kv_jax.pools.storage`): "fp8_latent" for C4 / C128
 # entries and the window ring, "fp4_index" for the CSA indexer keys.
-ENTRY_FORMATS = STORAGE_FORMATS + ("fp8_latent",)
-INDEX_FORMATS = STORAGE_FORMATS + ("fp4_index",)
-WINDOW_FORMATS = STORAGE_FORMATS + ("fp8_latent",)
+# DeepSeek-V4.1's records (`v4kv_jax.pools.records41`, a V4.1 cache only): "nvfp4" entries,
+# "mxfp4" index keys, "mxfp8" window rows.
+V41_FORMATS = {"entry_dtype": "nvfp4", "index_dtype": "mxfp4", "window_dtype": "mxfp8"}
+ENTRY_FORMATS = STORAGE_FORMATS + ("fp8_latent", "nvfp4")
+INDEX_FORMATS = STORAGE_FORMATS + ("fp4_index", "mxfp4")
+WINDOW_FORMATS = STORAGE_FORMATS + ("fp8_latent", "mxfp8")
 # How the HCA compressor keeps its open block: an online softmax (3 x hd floats per layer) or
 # the raw ring of its (kv, gate) rows (m' x 2 hd floats per layer).
 HCA_TAILS = ("online", "ring")
@@ -276,6 +279,8 @@ class CacheConfig:
       index_dtype: storage format of the CSA indexer keys: a float format or "fp4_index"
         (`INDEX_FORMATS`; Hadamard-rotated keys, needs a power-of-two index_head_dim >= 32).
       window_dtype: storage format of the sliding-window ring (`WINDOW_FORMATS`).
+        A V4.1 cache (`pools.init_cache41`) takes V4.1's records instead of the packed V4
+        ones: "nvfp4" entries, "mxfp4" index keys, "mxfp8" window rows (`V41_FORMATS`).
       tail_dtype: storage format of the compressor tails, a float format (the SPEC pools them
         in fp32).
       hca_tail: how the HCA compressor keeps its open block: "online" (running max, sum of
@@ -339,7 +344,12 @@ class CacheConfig:
         return self.max_pages_per_seq * self.page_tokens
 
     def check_against(self, model: AttentionConfig) -> None:
-        """Raises if the page size does not align with the model's compression ratios."""
+        """Raises if the page size does not align with the model's compression ratios, or a
+        format is one of V4.1's records (`V41_FORMATS`)."""
+        for name, fmt in V41_FORMATS.items():
+            if getattr(self, name) == fmt:
+                checks.fail(name, "a V4 format (V4.1's records serve a V41Config's cache: "
+                            "pools.init_cache41)", repr(fmt))
         lcm = math.lcm(model.csa_ratio, model.hca_ratio)
         if self.page_tokens % lcm:
             checks.fail("page_tokens", f"a multiple of lcm(csa_ratio, hca_ratio)={lcm}",

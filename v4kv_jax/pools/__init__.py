@@ -88,11 +88,12 @@ compiles once per geometry and never per length.
 
 from v4kv_jax.config import LayerKind
 from v4kv_jax.pools import report, slots, transfers, tree
+from v4kv_jax.pools.cache41 import Cache41, init_cache41
 from v4kv_jax.pools.lanes import LaneMap, Lanes
 from v4kv_jax.pools.report import *  # noqa: F403
 from v4kv_jax.pools.slots import *  # noqa: F403
 from v4kv_jax.pools.transfers import *  # noqa: F403
 from v4kv_jax.pools.tree import *  # noqa: F403
 
-__all__ = ["LaneMap", "Lanes", "LayerKind", *tree.__all__, *slots.__all__, *transfers.__all__,
-           *report.__all__]
+__all__ = ["Cache41", "LaneMap", "Lanes", "LayerKind", "init_cache41", *tree.__all__,
+           *slots.__all__, *transfers.__all__, *report.__all__]

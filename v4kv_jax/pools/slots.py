@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +36,8 @@ def _check_slot(cache: Cache, slot, *, free: bool | None = None) -> None:
 
 def reset_slot(cache: Cache, slot) -> Cache:
     """Starts a new, empty sequence in a FREE `slot`: length 0, ACTIVE, window and tails
-    zeroed.
+    (a V4.1 cache's open rows) zeroed. Takes a `Cache` or a `Cache41`, as do `release_slot`
+    and `clear_flags`.
 
     Called with a concrete slot, a slot outside [0, max_slots) or one that is not FREE raises
     ValueError. Inside a caller's jit nothing is checked: an out-of-range id changes nothing,
@@ -50,13 +53,14 @@ def reset_slot(cache: Cache, slot) -> Cache:
     def clear(x):
         return jnp.where(mask.reshape(1, -1, *([1] * (x.ndim - 2))), jnp.zeros((), x.dtype), x)
 
+    # Every per-slot store (the window rings, the tails or open rows, the hot set): blocks
+    # [n, max_slots], the slot the second leading dim.
+    stores = {f.name: jax.tree.map(clear, getattr(state, f.name))
+              for f in dataclasses.fields(state) if f.name not in ("lengths", "status")}
     state = state.replace(
         lengths=jnp.where(mask, 0, state.lengths),
         status=jnp.where(mask, SlotStatus.ACTIVE, state.status),
-        window=jax.tree.map(clear, state.window),
-        csa=jax.tree.map(clear, state.csa),
-        hca=jax.tree.map(clear, state.hca),
-        hot=jax.tree.map(clear, state.hot),
+        **stores,
     )
     return cache.replace(state=state)
 

@@ -1,0 +1,232 @@
+"""The V4.1 step (v4kv_jax/step41.py) and its pools (v4kv_jax/pools/cache41.py) against the
+float64 oracle written from V41_SPEC.md (v4kv_jax/testing/v41_oracle.py): section 11's T1
+(every block type), T2 (Reuse after Reindex, the candidate mask biting), T3 (chunkings with
+odd starts, prefill then decode, n_t = 0 queries, the window wrapping) and T4 (the release
+records, against the oracle with the same fake quantisation).
+
+Outputs, stored entries and keys within 5e-5 of the oracle; picks equal to the oracle's
+selections wherever its margin at the cut exceeds fp32's rounding of the scores. Every unused
+and freed word of the pools is NaN, and a padding row's vectors are NaN, so a read of
+another request's or of unowned memory shows. One program serves every length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import v41_cases as cases
+
+import v4kv_jax as v4
+from v4kv_jax import pools, step41
+from v4kv_jax.pools import cache41
+from v4kv_jax.testing import v41_oracle as oracle
+
+ATOL = 5e-5  # as tests/test_compressor41.py: RoPE at p <= 66 in fp32 against f64
+MARGIN = 1e-4  # selections compared where the oracle's cut exceeds fp32 score noise
+TOKENS = 16  # one chunk length (one program) for the whole file
+T1 = v4.tiny41()
+T2 = v4.V41Config(**{**{f: getattr(T1, f) for f in ("hidden_size", "num_heads", "head_dim",
+                                                     "rope_dim", "q_lora_rank", "o_groups",
+                                                     "o_lora_rank", "index_heads",
+                                                     "index_head_dim",
+                                                     "yarn_original_max_position")},
+                     "window": 16, "compress_ratios": (0, 2, 2, 2, 1, 1, 1, 1),
+                     "kv_source_layers": (1, 4), "index_source_layers": (1, 4, 6),
+                     "candidate_source_layer": 4, "candidate_topk_blocks": 3,
+                     "candidate_block_size": 4, "index_topk": 6})
+
+
+def _poisoned(cache: cache41.Cache41) -> cache41.Cache41:
+    """Every stored word NaN (a float cache): the Classical pool, the rings, the open rows."""
+    nan = lambda x: jnp.full_like(x, jnp.nan)  # noqa: E731
+    return cache.replace(classical=jax.tree.map(nan, cache.classical),
+                         state=cache.state.replace(window=jax.tree.map(nan, cache.state.window),
+                                                   open=jax.tree.map(nan, cache.state.open)))
+
+
+def _cache(config, formats="float32", slots=3):
+    geometry = cache41.cache_config41(formats, num_pages=8, max_slots=slots,
+                                      max_pages_per_seq=2)
+    cache = cache41.init_cache41(config, geometry)
+    return _poisoned(cache) if formats == "float32" else cache
+
+
+def _run(cache, config, inputs, slot, chunks, *, other=None, start=0):
+    """Feeds positions start.. of `inputs` in `chunks` (lengths) to `slot`, beside a padding
+    row (-1, NaN vectors) or `other` = (slot, inputs, start) fed the same chunk lengths;
+    returns the cache, the outputs per layer [n, H, hd] and the picks per index source."""
+    outs = [[] for _ in inputs]
+    picks = {i: [] for i in config.index_source_layers}
+    lo = start
+    for n in chunks:
+        hi = lo + n
+        vec, w = cases.chunk(config, inputs, lo, hi, TOKENS)
+        if other is None:
+            side, ids, n_new = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), vec), -1, 0
+        else:
+            first = other[2] + lo - start
+            side, _ = cases.chunk(config, other[1], first, first + n, TOKENS)
+            ids, n_new = other[0], n
+        vec = [jax.tree.map(lambda a, b: jnp.concatenate([a, b]), s, v)
+               for s, v in zip(side, vec, strict=True)]
+        cache, out = step41.prefill41(cache, vec, w, [ids, slot], [n_new, n])
+        for layer, o in enumerate(out.outputs):
+            outs[layer].append(np.asarray(o[1, :n]))
+            assert not np.any(np.asarray(o[1, n:])), "padding tokens give zeros"
+        for i, (ids_, valid) in zip(config.index_source_layers, out.picks, strict=True):
+            for t in range(n):
+                picks[i].append(np.asarray(ids_[1, t])[np.asarray(valid[1, t])])
+        lo = hi
+    return cache, [np.concatenate(o) for o in outs], picks
+
+
+def _check(config, ref, outs, picks) -> None:
+    for layer, (got, want) in enumerate(zip(outs, ref.outputs, strict=True)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=f"layer {layer}")
+    compared = 0
+    for i in config.index_source_layers:
+        for t, got in enumerate(picks[i]):
+            if ref.margins[i][t] > MARGIN:
+                np.testing.assert_array_equal(got, ref.selections[i][t], err_msg=f"{i} t={t}")
+                compared += 1
+    assert compared >= 0.8 * sum(len(p) for p in picks.values())
+
+
+def _stored(cache, config, ref, slot, length) -> None:
+    for s in config.kv_source_layers:
+        entries, keys = cache41.stored_entries(cache, s, slot, length)
+        np.testing.assert_allclose(entries, ref.entries[s], rtol=0, atol=ATOL)
+        np.testing.assert_allclose(keys, ref.keys[s], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("config, length, chunks", [
+    (T1, 40, (16, 16, 8)),  # T1: every block type, one chunk per call
+    (T1, 67, (5, 3, 16, 1, 1, 1, 13, 16, 11)),  # T3: odd starts, decode between
+    (T2, 67, (16, 16, 16, 16, 3)),  # T2: the candidate mask bites once n_t > 12
+])
+def test_step_equals_the_oracle(config, length, chunks):
+    stack = cases.stack_of(config)
+    inputs = oracle.random_inputs(stack, length, seed=length)
+    ref = oracle.run(stack, inputs)
+    cache = pools.reset_slot(_cache(config), 1)
+    cache, outs, picks = _run(cache, config, inputs, 1, chunks)
+    _check(config, ref, outs, picks)
+    _stored(cache, config, ref, 1, length)
+    assert int(cache.state.lengths[1]) == length
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 8, 9])
+def test_short_sequences_token_by_token_and_in_one_chunk(length):
+    """T3's short lengths: n_t = 0 queries (no entry closed: window only), the ratio-2 open
+    row across calls; token by token through `decode_step41` equals one chunk."""
+    stack = cases.stack_of(T1)
+    inputs = oracle.random_inputs(stack, length, seed=100 + length)
+    ref = oracle.run(stack, inputs)
+    cache = pools.reset_slot(_cache(T1), 1)
+    _, outs, picks = _run(cache, T1, inputs, 1, (length,))
+    _check(T1, ref, outs, picks)
+    cache = pools.reset_slot(_cache(T1, slots=2), 1)
+    steps = []
+    for t in range(length):
+        vec, w = cases.chunk(T1, inputs, t, t + 1)
+        vec = [jax.tree.map(lambda x: jnp.concatenate([jnp.full_like(x, jnp.nan), x]), v)
+               for v in vec]
+        cache, out = step41.decode_step41(cache, vec, w)
+        steps.append([np.asarray(o[1, 0]) for o in out.outputs])
+    for layer in range(len(outs)):
+        np.testing.assert_allclose(np.stack([s[layer] for s in steps]), ref.outputs[layer],
+                                   rtol=0, atol=ATOL)
+
+
+def test_release_records_equal_the_oracle_with_the_same_fake_quantisation():
+    """T4: NVFP4 entries, MXFP4 keys (and the index query), MXFP8 window rows."""
+    stack = cases.stack_of(T1)
+    inputs = oracle.random_inputs(stack, 40, seed=4)
+    ref = oracle.run(stack, inputs, quantize=True)
+    cache = pools.reset_slot(_cache(T1, "release"), 1)
+    cache, outs, picks = _run(cache, T1, inputs, 1, (16, 9, 15))
+    _check(T1, ref, outs, picks)
+    _stored(cache, T1, ref, 1, 40)
+
+
+def test_requests_never_read_each_other():
+    """Two sequences side by side give each the outputs it gets beside a padding row, bit for
+    bit, in a pool whose every other word is NaN; after the second is released and its pages
+    are poisoned and taken by a new sequence, the first goes on as alone."""
+    stack = cases.stack_of(T1)
+    a, b, c = (oracle.random_inputs(stack, 46, seed=s) for s in (7, 8, 9))
+    alone = pools.reset_slot(_cache(T1), 1)
+    _, want, _ = _run(alone, T1, a, 1, (16, 14, 16))
+    both = pools.reset_slot(pools.reset_slot(_cache(T1), 1), 2)
+    both, first, _ = _run(both, T1, a, 1, (16, 14), other=(2, b, 0))
+    both = _poisoned_free(pools.release_slot(both, 2))
+    assert int(both.pages.num_free) == 8 - 1  # 30 tokens of slot 1: one page of 128
+    both = pools.reset_slot(both, 0)
+    both, then, _ = _run(both, T1, a, 1, (16,), other=(0, c, 0), start=30)
+    for x, y, z in zip(first, then, want, strict=True):
+        np.testing.assert_array_equal(np.concatenate([x, y]), z)
+
+
+def _poisoned_free(cache):
+    """NaN in every page on the free stack."""
+    free = np.asarray(cache.pages.free_stack)[: int(cache.pages.num_free)]
+    pages = jnp.asarray(free)
+
+    def poison(lanes):
+        return jax.tree.map(lambda x: x.at[pages].set(jnp.nan), lanes)
+
+    return cache.replace(classical=jax.tree.map(poison, cache.classical,
+                                                is_leaf=lambda x: isinstance(x, pools.Lanes)))
+
+
+def test_one_program_serves_every_length_and_start():
+    before = step41._step_jit.traces
+    stack = cases.stack_of(T1)
+    inputs = oracle.random_inputs(stack, 20, seed=3)
+    cache = pools.reset_slot(_cache(T1), 1)
+    _run(cache, T1, inputs, 1, (3, 16, 1))
+    assert step41._step_jit.traces - before <= 1
+
+
+def test_bad_calls_name_the_argument():
+    cache = pools.reset_slot(_cache(T1), 1)
+    stack = cases.stack_of(T1)
+    vec, w = cases.chunk(T1, oracle.random_inputs(stack, 4, seed=0), 0, 4)
+    with pytest.raises(ValueError, match=r"vectors\[1\]\.a: expected an array of shape"):
+        step41.prefill41(cache, [*vec[:1], vec[1].replace(a=None), *vec[2:]], w, [1], [4])
+    with pytest.raises(ValueError, match=r"vectors\[0\]\.win: expected shape \(1, 4, 64\)"):
+        step41.prefill41(cache, [vec[0].replace(win=vec[0].win[..., :3]), *vec[1:]], w, [1], [4])
+    with pytest.raises(TypeError, match="vectors: expected a sequence of 6 LayerVectors41"):
+        step41.prefill41(cache, vec[:5], w, [1], [4])
+    with pytest.raises(TypeError, match="cache: expected a Cache41"):
+        step41.prefill41(object(), vec, w, [1], [4])
+    with pytest.raises(ValueError, match="slot_ids: expected ACTIVE slots"):
+        step41.prefill41(cache, vec, w, [0], [4])
+    with pytest.raises(ValueError, match=r"n_new: expected counts in \[0, 4\]"):
+        step41.prefill41(cache, vec, w, [1], [5])
+    with pytest.raises(ValueError, match="entry_dtype: expected one of"):
+        cache41.init_cache41(T1, v4.CacheConfig(num_pages=2, max_slots=1, max_pages_per_seq=1,
+                                                entry_dtype="fp8_latent"))
+    with pytest.raises(ValueError, match="entry_dtype: expected a V4 format"):
+        pools.init_cache(v4.tiny(), v4.CacheConfig(num_pages=2, max_slots=1,
+                                                   max_pages_per_seq=1, entry_dtype="nvfp4"))
+    with pytest.raises(ValueError, match="layer: expected a kv source"):
+        cache41.stored_entries(cache, 2, 1, 4)
+
+
+def test_pools_hold_only_the_sources_in_lane_rows():
+    """Entries and keys for the kv sources only (64 a page at ratio 2, 128 at ratio 1), the
+    window of every layer, open rows for the ratio-2 sources; every plane row-major on a TPU
+    (its minor dim a multiple of 128 lanes)."""
+    cache = cache41.init_cache41(T1, cache41.cache_config41("release", num_pages=4,
+                                                            max_slots=2, max_pages_per_seq=2))
+    assert [e.map.records for e in cache.classical.entries] == [64, 128]
+    assert [k.map.records for k in cache.classical.keys] == [64, 128]
+    assert cache.state.window.lead == (6, 2) and cache.state.open.lead == (1, 2)
+    for leaf in jax.tree.leaves(cache.classical) + jax.tree.leaves(cache.state.window):
+        assert leaf.shape[-1] % 128 == 0
+    # 64 values: 32 B of e2m1 + 4 e4m3 scales; 32 key values: 16 B + 1 UE8M0 scale, in whole
+    # words (at V4.1-Flash's widths 288 and 68 B: whole words already).
+    assert (cache.codec("entries").row_bytes, cache.codec("keys").row_bytes) == (36, 20)

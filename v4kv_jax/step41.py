@@ -1,0 +1,342 @@
+"""The step of a DeepSeek-V4.1 stack: append a chunk to the two pools and attend, every layer
+as its `plan.LayerPlan` says (V41_SPEC.md sections 3-5).
+
+One program serves decode (T = 1) and prefill (any T, any start length, any chunking), per
+layer in order:
+
+  window     the layer's window rows R_t(win_t) (through the window format) into its ring
+  compress   a kv source: the entries its chunk closes (`ops.compressor41`), C_j and K_j into
+             the slot's pages, the ratio-2 open row into the State; published before any
+             query of the chunk attends, so the token that closes an entry sees it
+  score      an index source: its queries against its kv source's keys of every entry the
+             query sees (`ops.indexer41`); the candidate source's best blocks kept for the
+             index sources after it; its top-k, shared with the Reuse layers after it
+  attend     one softmax over the window (positions t - W + 1 .. t) and the picks, with the
+             sink in the denominator, V = K, then the inverse RoPE at t
+
+Inputs are the per-layer vectors a V4.1 layer projects (`LayerVectors41`: the form the
+float64 oracle `testing.v41_oracle` takes) and its weights (`LayerWeights41`); the outputs are
+the attention outputs before the output projection. Slots, pages and flags work as V4's
+(`append.begin_append`: a padding row, a FREE or flagged slot, a slot out of pages or past
+max_seq_len appends nothing and reads nothing).
+
+Scores span every entry of a row's page-table row, masked by visibility (memory
+B x T x E per index source; bounded scoring is to come, as V4's `ops.indexer`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from v4kv_jax import append, checks, plan, pools, programs, rope
+from v4kv_jax.ops import compressor41, indexer41
+from v4kv_jax.pools import cache41, paging
+from v4kv_jax.pools.cache41 import Cache41
+from v4kv_jax.pools.tree import SlotStatus
+
+
+@struct.dataclass
+class LayerVectors41:
+    """One layer's vectors for a chunk of T tokens of B rows (tokens past a row's n_new are
+    padding and may hold anything).
+
+    Attributes:
+      q: [B, T, H, hd] queries (wq_b qr_t) before RoPE.
+      win: [B, T, hd] window vectors RMSNorm_{kv_norm}(wkv x_t) before RoPE.
+      a, z: [B, T, hd] compressor projections (a kv source; z for ratio 2), else None.
+      q_index: [B, T, nI, c] index queries before RoPE; w_index: [B, T, nI] raw index
+        weights (an index source), else None.
+    """
+
+    q: jax.Array
+    win: jax.Array
+    a: jax.Array | None = None
+    z: jax.Array | None = None
+    q_index: jax.Array | None = None
+    w_index: jax.Array | None = None
+
+
+@struct.dataclass
+class LayerWeights41:
+    """One layer's weights the step reads: sink [H]; a kv source's norm_c [hd], wk [c, hd]
+    and k_norm [c] (else None)."""
+
+    sink: jax.Array
+    norm_c: jax.Array | None = None
+    wk: jax.Array | None = None
+    k_norm: jax.Array | None = None
+
+
+@struct.dataclass
+class Step41:
+    """What a step returns besides the cache.
+
+    Attributes:
+      outputs: per backbone layer, f32[B, T, H, hd] attention outputs (zeros for padding
+        tokens and rows that appended nothing).
+      picks: per index source (`V41Config.index_source_layers` order), (ids i32[B, T, K],
+        valid bool[B, T, K]): the entries each query read, ascending, invalid last.
+    """
+
+    outputs: tuple[jax.Array, ...]
+    picks: tuple[tuple[jax.Array, jax.Array], ...]
+
+
+def _window(cache: Cache41, layer: int, slots: jax.Array, start: jax.Array) -> jax.Array:
+    """f32[B, W, hd]: the ring's rows of positions start - W .. start - 1 (before the chunk)."""
+    W = cache.config.window
+    positions = start[:, None] - W + jnp.arange(W, dtype=jnp.int32)[None, :]
+    ring = cache41.window41(cache)
+    rows = ring.take((jnp.full_like(slots, layer)[:, None], slots[:, None]), positions % W)
+    return cache.codec("window").decode(rows)
+
+
+def _write_window(cache: Cache41, layer: int, ap: append.AppendPlan, rows: jax.Array
+                  ) -> Cache41:
+    """The chunk's window rows (encoded) into the layer's ring (each ring row written once)."""
+    W, tokens = cache.config.window, rows.shape[1]
+    j = jnp.arange(tokens, dtype=jnp.int32)[None, :]
+    n = ap.n_new[:, None]
+    record = jnp.where((j < n) & (j >= n - W), (ap.start[:, None] + j) % W, W)
+    ring = cache41.window41(cache).put(
+        (jnp.full_like(ap.slot_ids, layer)[:, None], ap.slot_ids[:, None]), record, rows)
+    return cache41.with_window41(cache, ring)
+
+
+def _compress(cache: Cache41, p: plan.LayerPlan, ap: append.AppendPlan, slots, pages,
+              x: LayerVectors41, w: LayerWeights41, inv_freq, bf16_latent: bool) -> Cache41:
+    """A kv source's entries and keys of the chunk into the slot's pages; its open row."""
+    config, r = cache.config, p.ratio
+    width = config.head_dim
+    per_page = cache.geometry.page_tokens // r
+    if r == 2:
+        pair = cache.pair_sources.index(p.layer)
+        row = cache41.open_rows(cache).take((jnp.full_like(slots, pair), slots), 0)
+        open_a, open_z, z = row[:, :width], row[:, width:], x.z
+    else:
+        open_a = open_z = jnp.zeros((x.a.shape[0], width), jnp.float32)
+        z = x.a
+    chunk = compressor41.compress_chunk(x.a, z, ap.start, ap.n_new, open_a, open_z, w.norm_c,
+                                        ratio=r, eps=config.rms_eps, bf16_latent=bf16_latent)
+    entries = compressor41.main_entries(chunk.latents, chunk.entry, r, inv_freq)
+    keys = compressor41.index_keys(chunk.latents, chunk.entry, w.wk, w.k_norm, r, inv_freq,
+                                   config.rms_eps)
+    page = jnp.take_along_axis(pages, jnp.clip(chunk.entry // per_page, 0,
+                                               pages.shape[1] - 1), axis=1)
+    page = jnp.where(chunk.valid, page, -1)  # dropped
+    record = chunk.entry % per_page
+    for name, values in (("entries", entries), ("keys", keys)):
+        store = cache41.source_store(cache, name, p.layer)
+        cache = cache41.with_source_store(cache, name, p.layer, store.put(
+            (page,), record, cache.codec(name).encode(values)))
+    if r == 2:
+        opened = cache41.open_rows(cache).put(
+            (jnp.full_like(ap.slot_ids, pair), ap.slot_ids), 0,
+            jnp.concatenate([chunk.open_a, chunk.open_z], axis=-1))
+        cache = cache41.with_open_rows(cache, opened)
+    return cache
+
+
+def _source_rows(cache: Cache41, name: str, source: int, pages: jax.Array) -> jax.Array:
+    """f32[B, E, w]: every record of a kv source's store in each row's pages, in entry order
+    (pages -1 read page 0: the caller masks them by visibility)."""
+    store = cache41.source_store(cache, name, source)
+    rows = store.block_records((jnp.clip(pages, 0, None),))  # [B, maxp, per_page, words]
+    values = cache.codec(name).decode(rows)
+    return values.reshape(values.shape[0], -1, values.shape[-1])
+
+
+def _picked(cache: Cache41, source: int, pages: jax.Array, ids: jax.Array) -> jax.Array:
+    """f32[B, T, K, hd]: the entries `ids` (i32[B, T, K]; E: none) of a kv source."""
+    r = cache.config.compress_ratios[source]
+    per_page = cache.geometry.page_tokens // r
+    flat = ids.reshape(ids.shape[0], -1)
+    page = jnp.take_along_axis(pages, jnp.clip(flat // per_page, 0, pages.shape[1] - 1), axis=1)
+    store = cache41.source_store(cache, "entries", source)
+    rows = store.take((page.reshape(ids.shape),), ids % per_page)
+    return cache.codec("entries").decode(rows)
+
+
+def _attend(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
+    """o [B, T, H, hd] of one softmax over every (keys, ok) of `key_sets` (keys [B, K, hd]
+    shared by the chunk or [B, T, K, hd] per query; ok bool [B, T, K]) with the sink in the
+    denominator; V = K."""
+    scale = np.float32(q.shape[-1] ** -0.5)
+    logits = []
+    for keys, ok in key_sets:
+        spec = "bthd,bkd->bthk" if keys.ndim == 3 else "bthd,btkd->bthk"
+        x = jnp.einsum(spec, q, keys, precision=jax.lax.Precision.HIGHEST) * scale
+        logits.append(jnp.where(ok[:, :, None, :], x, -jnp.inf))
+    s = sink.astype(jnp.float32)[None, None, :]
+    top = jnp.maximum(jnp.max(jnp.stack([x.max(-1) for x in logits]), axis=0), s)
+    total = jnp.exp(s - top)
+    out = 0.0
+    for (keys, ok), x in zip(key_sets, logits, strict=True):
+        p = jnp.where(ok[:, :, None, :], jnp.exp(x - top[..., None]), 0.0)
+        total = total + p.sum(-1)
+        spec = "bthk,bkd->bthd" if keys.ndim == 3 else "bthk,btkd->bthd"
+        out = out + jnp.einsum(spec, p, keys, precision=jax.lax.Precision.HIGHEST)
+    return out / total[..., None]
+
+
+def _step(cache: Cache41, vectors, weights, slot_ids, n_new, *, bf16_latent: bool = False
+          ) -> tuple[Cache41, Step41]:
+    config = cache.config
+    tokens = vectors[0].q.shape[1]
+    cache, ap = append.begin_append(cache, slot_ids, n_new, tokens)
+    positions = ap.positions(tokens)
+    slots = append.read_slots(cache, ap.slot_ids)
+    pages = paging.slot_rows(pools.page_state(cache), ap.slot_ids)
+    real = jnp.arange(tokens)[None, :] < ap.n_new[:, None]
+    tables = {"base": rope.inv_frequencies_v41(config, False),
+              "compress": rope.inv_frequencies_v41(config, True)}
+    W = config.window
+    keys_of, picks_of, read_of, candidates, outputs = {}, {}, {}, None, []
+    scale = indexer41.weights_scale(config.index_heads, config.index_head_dim)
+    for p in plan.of(config):
+        x, w, freqs = vectors[p.layer], weights[p.layer], tables[p.rope]
+        before = _window(cache, p.layer, slots, ap.start)
+        codec = cache.codec("window")
+        encoded = codec.encode(rope.rotate(x.win.astype(jnp.float32), positions, freqs))
+        cache = _write_window(cache, p.layer, ap, encoded)
+        rows = codec.decode(encoded)
+        if p.writes_entries:
+            cache = _compress(cache, p, ap, slots, pages, x, w, tables["compress"], bf16_latent)
+        if p.scores:
+            if p.keys not in keys_of:
+                keys_of[p.keys] = _source_rows(cache, "keys", p.keys, pages)
+            n_visible = indexer41.visible_entries(positions, p.ratio)
+            q_index = rope.rotate(x.q_index.astype(jnp.float32), positions[..., None], freqs)
+            if cache.geometry.index_dtype == "mxfp4":  # the query rounded as the keys
+                q_index = cache.codec("keys").decode(cache.codec("keys").encode(q_index))
+            scores = indexer41.index_scores(q_index, x.w_index.astype(jnp.float32) * scale,
+                                            keys_of[p.keys], n_visible)
+            if p.publishes_candidates:
+                candidates = indexer41.candidate_mask(scores, n_visible,
+                                                      config.candidate_block_size,
+                                                      config.candidate_topk_blocks)
+            if p.candidates is not None:
+                scores = jnp.where(candidates, scores, -jnp.inf)
+            picks_of[p.layer] = indexer41.select(scores, n_visible, config.index_topk)
+        # Keys of the window: the ring's rows before the chunk, then the chunk's own.
+        key_pos = jnp.concatenate([ap.start[:, None] - W + jnp.arange(W)[None, :], positions],
+                                  axis=1)
+        key_ok = jnp.concatenate([jnp.ones((len(slots), W), bool), real], axis=1)
+        t = positions[:, :, None]
+        ok = (key_ok[:, None, :] & (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= t)
+              & (key_pos[:, None, :] > t - W))
+        # A key no query may see is 0, never multiplied (padding may be NaN).
+        stored = (key_ok & (key_pos >= 0))[..., None]
+        key_sets = [(jnp.where(stored, jnp.concatenate([before, rows], axis=1), 0.0), ok)]
+        if p.read == "sparse":
+            ids, valid = picks_of[p.picks]
+            if (p.entries, p.picks) not in read_of:
+                read_of[(p.entries, p.picks)] = jnp.where(
+                    valid[..., None], _picked(cache, p.entries, pages, ids), 0.0)
+            key_sets.append((read_of[(p.entries, p.picks)], valid))
+        q = rope.rotate(x.q.astype(jnp.float32), positions[..., None], freqs)
+        out = rope.rotate(_attend(q, w.sink, key_sets), positions[..., None], freqs,
+                          inverse=True)
+        outputs.append(jnp.where(real[..., None, None], out, 0.0))
+    cache = append.end_append(cache, ap)
+    picks = tuple(picks_of[i] for i in config.index_source_layers)
+    return cache, Step41(outputs=tuple(outputs), picks=picks)
+
+
+_step_jit = programs.program("step41.prefill", _step, donate=("cache",),
+                             static=("bf16_latent",))
+
+
+def _check_call(cache: Cache41, vectors, weights, batch: int) -> int:
+    """Named checks of a call's pytree shapes (concrete or traced); returns T."""
+    if not isinstance(cache, Cache41):
+        checks.fail("cache", "a Cache41 (pools.init_cache41)", type(cache).__name__, TypeError)
+    checks.alive("cache", cache)
+    config = cache.config
+    layers = plan.of(config)
+    for name, value, kind in (("vectors", vectors, LayerVectors41),
+                              ("weights", weights, LayerWeights41)):
+        if not isinstance(value, (tuple, list)) or len(value) != len(layers):
+            size = len(value) if isinstance(value, (tuple, list)) else "?"
+            checks.fail(name, f"a sequence of {len(layers)} {kind.__name__} (one per layer)",
+                        f"{type(value).__name__} of {size}", TypeError)
+        for i, v in enumerate(value):
+            if not isinstance(v, kind):
+                checks.fail(f"{name}[{i}]", f"a {kind.__name__}", type(v).__name__, TypeError)
+    if np.ndim(vectors[0].q) != 4:
+        checks.fail("vectors[0].q", "an array [B, T, H, hd]", f"shape {np.shape(vectors[0].q)}")
+    tokens = np.shape(vectors[0].q)[1]
+    B, H, hd = batch, config.num_heads, config.head_dim
+    nI, c = config.index_heads, config.index_head_dim
+    for p in layers:
+        x, w, at = vectors[p.layer], weights[p.layer], f"[{p.layer}]"
+        need = {"q": (B, tokens, H, hd), "win": (B, tokens, hd)}
+        wants = {"sink": (H,)}
+        if p.writes_entries:
+            need["a"] = (B, tokens, hd)
+            if p.ratio == 2:
+                need["z"] = (B, tokens, hd)
+            wants.update(norm_c=(hd,), wk=(c, hd), k_norm=(c,))
+        if p.scores:
+            need.update(q_index=(B, tokens, nI, c), w_index=(B, tokens, nI))
+        for group, obj, fields in (("vectors", x, need), ("weights", w, wants)):
+            for field, shape in fields.items():
+                value = getattr(obj, field)
+                name = f"{group}{at}.{field}"
+                if value is None:
+                    checks.fail(name, f"an array of shape {shape} ({p.mode} layer)", None)
+                checks.shape(name, value, shape)
+                checks.dtype_kind(name, value, "floating")
+    return tokens
+
+
+def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
+              bf16_latent: bool = False) -> tuple[Cache41, Step41]:
+    """Appends up to T tokens to each of B slots (any start length) and attends in every
+    layer; jitted, the input cache donated.
+
+    Args:
+      cache: a `Cache41` (donated).
+      vectors: one `LayerVectors41` per backbone layer, [B, T, ...] arrays.
+      weights: one `LayerWeights41` per backbone layer.
+      slot_ids: i32[B] distinct slots (-1: a padding row, n_new 0).
+      n_new: i32[B] tokens of each row to append (the rest of the row is padding).
+      bf16_latent: round each pooled latent to bf16 before its norm, as the official code.
+
+    Returns:
+      (cache, `Step41`).
+
+    Raises:
+      ValueError / TypeError naming the argument: a vector or weight of the wrong shape or
+      missing for its layer's mode, and, with concrete arguments, the row rules of
+      `append.begin_append` (a FREE or flagged slot that appends, an append the device would
+      drop) before anything runs.
+    """
+    tokens = _check_call(cache, vectors, weights, int(np.shape(slot_ids)[0]))
+    if checks.concrete(slot_ids, n_new, cache):
+        append.check_rows(cache, slot_ids, n_new, tokens)
+        append.check_room(cache, slot_ids, n_new)
+    return _step_jit(cache, tuple(vectors), tuple(weights), jnp.asarray(slot_ids, jnp.int32),
+                     jnp.asarray(n_new, jnp.int32), bf16_latent=bf16_latent)
+
+
+def decode_step41(cache: Cache41, vectors, weights, active=None, *,
+                  bf16_latent: bool = False) -> tuple[Cache41, Step41]:
+    """Appends one token to every active slot: `prefill41` over all max_slots slots with
+    T = 1 (vectors [max_slots, 1, ...]); `active` bool[max_slots], by default the slots whose
+    status is ACTIVE."""
+    checks.alive("cache", cache)
+    S = cache.geometry.max_slots
+    if active is None:
+        active = pools.status(cache) == SlotStatus.ACTIVE
+    elif checks.concrete(active):
+        checks.shape("active", active, (S,))
+        checks.dtype_kind("active", active, "bool")
+    return prefill41(cache, vectors, weights, np.arange(S, dtype=np.int32),
+                     jnp.asarray(active, jnp.int32), bf16_latent=bf16_latent)
+
+
+__all__ = ["LayerVectors41", "LayerWeights41", "Step41", "decode_step41", "prefill41"]
