@@ -14,6 +14,12 @@ layer in order:
   attend     one softmax over the window (positions t - W + 1 .. t) and the picks, with the
              sink in the denominator, V = K, then the inverse RoPE at t
 
+`prefill41` / `decode_step41` run every layer from vectors given for all of them (one jitted
+program, the cache donated); a model whose layer l + 1's input depends on layer l's output
+runs the same pieces inside its own program: `begin41`, then `layer41` per layer in order
+(the `Chunk41` it threads carries the picks, keys and candidate blocks the later layers
+share), then `end41`.
+
 Inputs are the per-layer vectors a V4.1 layer projects (`LayerVectors41`: the form the
 float64 oracle `testing.v41_oracle` takes) and its weights (`LayerWeights41`); the outputs are
 the attention outputs before the output projection. Slots, pages and flags work as V4's
@@ -182,68 +188,138 @@ def _attend(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
     return out / total[..., None]
 
 
+@struct.dataclass
+class Chunk41:
+    """What the layers of one step share (`begin41`, `layer41`, `end41`).
+
+    Attributes:
+      plan: the `append.AppendPlan` of the step (who appends how much).
+      positions: i32[B, T] absolute positions; real: bool[B, T] the rows' appended tokens.
+      slots: i32[B] slot ids clipped for State reads; pages: i32[B, max_pages_per_seq] the
+        rows' page-table rows (-1: none).
+      keys: per kv source scored so far, its decoded index keys f32[B, E, c].
+      picks: per index source run so far, its (ids, valid) (`ops.indexer41.select`).
+      read: per (entries, picks) pair read so far, the picked entries f32[B, T, K, hd].
+      candidates: the candidate source's bool[B, T, E] once it ran, else None.
+    """
+
+    plan: append.AppendPlan
+    positions: jax.Array
+    real: jax.Array
+    slots: jax.Array
+    pages: jax.Array
+    keys: dict = struct.field(default_factory=dict)
+    picks: dict = struct.field(default_factory=dict)
+    read: dict = struct.field(default_factory=dict)
+    candidates: jax.Array | None = None
+
+
+def begin41(cache: Cache41, slot_ids, n_new, tokens: int) -> tuple[Cache41, Chunk41]:
+    """Takes the pages the chunk needs and flags slots that cannot append
+    (`append.begin_append`'s rules); the `Chunk41` the layers then share."""
+    cache, ap = append.begin_append(cache, slot_ids, n_new, tokens)
+    return cache, Chunk41(
+        plan=ap, positions=ap.positions(tokens),
+        real=jnp.arange(tokens)[None, :] < ap.n_new[:, None],
+        slots=append.read_slots(cache, ap.slot_ids),
+        pages=paging.slot_rows(pools.page_state(cache), ap.slot_ids))
+
+
+def _score(cache: Cache41, chunk: Chunk41, p: plan.LayerPlan, x: LayerVectors41, freqs
+           ) -> Chunk41:
+    """An index source's picks (and the candidate source's blocks) into the chunk."""
+    config = cache.config
+    keys = dict(chunk.keys)
+    if p.keys not in keys:
+        keys[p.keys] = _source_rows(cache, "keys", p.keys, chunk.pages)
+    n_visible = indexer41.visible_entries(chunk.positions, p.ratio)
+    q_index = rope.rotate(x.q_index.astype(jnp.float32), chunk.positions[..., None], freqs)
+    if cache.geometry.index_dtype == "mxfp4":  # the query rounded as the keys
+        q_index = cache.codec("keys").decode(cache.codec("keys").encode(q_index))
+    scale = indexer41.weights_scale(config.index_heads, config.index_head_dim)
+    scores = indexer41.index_scores(q_index, x.w_index.astype(jnp.float32) * scale,
+                                    keys[p.keys], n_visible)
+    candidates = chunk.candidates
+    if p.publishes_candidates:
+        candidates = indexer41.candidate_mask(scores, n_visible, config.candidate_block_size,
+                                              config.candidate_topk_blocks)
+    if p.candidates is not None:
+        scores = jnp.where(candidates, scores, -jnp.inf)
+    picks = {**chunk.picks, p.layer: indexer41.select(scores, n_visible, config.index_topk)}
+    return chunk.replace(keys=keys, picks=picks, candidates=candidates)
+
+
+def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
+            weights: LayerWeights41, *, bf16_latent: bool = False
+            ) -> tuple[Cache41, Chunk41, jax.Array]:
+    """One layer of the step, as its plan says: its window rows, a kv source's entries and
+    keys, an index source's picks, then the attention of its queries.
+
+    Layers run in order within a step (a source before its consumers), each once.
+
+    Args:
+      cache, chunk: from `begin41` or the previous layer.
+      layer: the layer's index (static).
+      vectors: its `LayerVectors41` ([B, T, ...]); weights: its `LayerWeights41`.
+      bf16_latent: as `prefill41`.
+
+    Returns:
+      (cache, chunk, f32[B, T, H, hd] attention outputs before the output projection; zeros
+      for tokens the rows did not append).
+    """
+    config = cache.config
+    p = plan.of(config)[layer]
+    ap, positions = chunk.plan, chunk.positions
+    freqs = rope.inv_frequencies_v41(config, p.rope == "compress")
+    W = config.window
+    before = _window(cache, p.layer, chunk.slots, ap.start)
+    codec = cache.codec("window")
+    encoded = codec.encode(rope.rotate(vectors.win.astype(jnp.float32), positions, freqs))
+    cache = _write_window(cache, p.layer, ap, encoded)
+    rows = codec.decode(encoded)
+    if p.writes_entries:
+        cache = _compress(cache, p, ap, chunk.slots, chunk.pages, vectors, weights, freqs,
+                          bf16_latent)
+    if p.scores:
+        chunk = _score(cache, chunk, p, vectors, freqs)
+    # Keys of the window: the ring's rows before the chunk, then the chunk's own.
+    key_pos = jnp.concatenate([ap.start[:, None] - W + jnp.arange(W)[None, :], positions],
+                              axis=1)
+    key_ok = jnp.concatenate([jnp.ones((len(chunk.slots), W), bool), chunk.real], axis=1)
+    t = positions[:, :, None]
+    ok = (key_ok[:, None, :] & (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= t)
+          & (key_pos[:, None, :] > t - W))
+    # A key no query may see is 0, never multiplied (padding may be NaN).
+    stored = (key_ok & (key_pos >= 0))[..., None]
+    key_sets = [(jnp.where(stored, jnp.concatenate([before, rows], axis=1), 0.0), ok)]
+    if p.read == "sparse":
+        ids, valid = chunk.picks[p.picks]
+        pair = (p.entries, p.picks)
+        if pair not in chunk.read:
+            picked = jnp.where(valid[..., None], _picked(cache, p.entries, chunk.pages, ids), 0.0)
+            chunk = chunk.replace(read={**chunk.read, pair: picked})
+        key_sets.append((chunk.read[pair], valid))
+    q = rope.rotate(vectors.q.astype(jnp.float32), positions[..., None], freqs)
+    out = rope.rotate(_attend(q, weights.sink, key_sets), positions[..., None], freqs,
+                      inverse=True)
+    return cache, chunk, jnp.where(chunk.real[..., None, None], out, 0.0)
+
+
+def end41(cache: Cache41, chunk: Chunk41) -> Cache41:
+    """Advances the lengths of the slots that appended."""
+    return append.end_append(cache, chunk.plan)
+
+
 def _step(cache: Cache41, vectors, weights, slot_ids, n_new, *, bf16_latent: bool = False
           ) -> tuple[Cache41, Step41]:
-    config = cache.config
-    tokens = vectors[0].q.shape[1]
-    cache, ap = append.begin_append(cache, slot_ids, n_new, tokens)
-    positions = ap.positions(tokens)
-    slots = append.read_slots(cache, ap.slot_ids)
-    pages = paging.slot_rows(pools.page_state(cache), ap.slot_ids)
-    real = jnp.arange(tokens)[None, :] < ap.n_new[:, None]
-    tables = {"base": rope.inv_frequencies_v41(config, False),
-              "compress": rope.inv_frequencies_v41(config, True)}
-    W = config.window
-    keys_of, picks_of, read_of, candidates, outputs = {}, {}, {}, None, []
-    scale = indexer41.weights_scale(config.index_heads, config.index_head_dim)
-    for p in plan.of(config):
-        x, w, freqs = vectors[p.layer], weights[p.layer], tables[p.rope]
-        before = _window(cache, p.layer, slots, ap.start)
-        codec = cache.codec("window")
-        encoded = codec.encode(rope.rotate(x.win.astype(jnp.float32), positions, freqs))
-        cache = _write_window(cache, p.layer, ap, encoded)
-        rows = codec.decode(encoded)
-        if p.writes_entries:
-            cache = _compress(cache, p, ap, slots, pages, x, w, tables["compress"], bf16_latent)
-        if p.scores:
-            if p.keys not in keys_of:
-                keys_of[p.keys] = _source_rows(cache, "keys", p.keys, pages)
-            n_visible = indexer41.visible_entries(positions, p.ratio)
-            q_index = rope.rotate(x.q_index.astype(jnp.float32), positions[..., None], freqs)
-            if cache.geometry.index_dtype == "mxfp4":  # the query rounded as the keys
-                q_index = cache.codec("keys").decode(cache.codec("keys").encode(q_index))
-            scores = indexer41.index_scores(q_index, x.w_index.astype(jnp.float32) * scale,
-                                            keys_of[p.keys], n_visible)
-            if p.publishes_candidates:
-                candidates = indexer41.candidate_mask(scores, n_visible,
-                                                      config.candidate_block_size,
-                                                      config.candidate_topk_blocks)
-            if p.candidates is not None:
-                scores = jnp.where(candidates, scores, -jnp.inf)
-            picks_of[p.layer] = indexer41.select(scores, n_visible, config.index_topk)
-        # Keys of the window: the ring's rows before the chunk, then the chunk's own.
-        key_pos = jnp.concatenate([ap.start[:, None] - W + jnp.arange(W)[None, :], positions],
-                                  axis=1)
-        key_ok = jnp.concatenate([jnp.ones((len(slots), W), bool), real], axis=1)
-        t = positions[:, :, None]
-        ok = (key_ok[:, None, :] & (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= t)
-              & (key_pos[:, None, :] > t - W))
-        # A key no query may see is 0, never multiplied (padding may be NaN).
-        stored = (key_ok & (key_pos >= 0))[..., None]
-        key_sets = [(jnp.where(stored, jnp.concatenate([before, rows], axis=1), 0.0), ok)]
-        if p.read == "sparse":
-            ids, valid = picks_of[p.picks]
-            if (p.entries, p.picks) not in read_of:
-                read_of[(p.entries, p.picks)] = jnp.where(
-                    valid[..., None], _picked(cache, p.entries, pages, ids), 0.0)
-            key_sets.append((read_of[(p.entries, p.picks)], valid))
-        q = rope.rotate(x.q.astype(jnp.float32), positions[..., None], freqs)
-        out = rope.rotate(_attend(q, w.sink, key_sets), positions[..., None], freqs,
-                          inverse=True)
-        outputs.append(jnp.where(real[..., None, None], out, 0.0))
-    cache = append.end_append(cache, ap)
-    picks = tuple(picks_of[i] for i in config.index_source_layers)
-    return cache, Step41(outputs=tuple(outputs), picks=picks)
+    cache, chunk = begin41(cache, slot_ids, n_new, vectors[0].q.shape[1])
+    outputs = []
+    for layer in range(len(vectors)):
+        cache, chunk, out = layer41(cache, chunk, layer, vectors[layer], weights[layer],
+                                    bf16_latent=bf16_latent)
+        outputs.append(out)
+    picks = tuple(chunk.picks[i] for i in cache.config.index_source_layers)
+    return end41(cache, chunk), Step41(outputs=tuple(outputs), picks=picks)
 
 
 _step_jit = programs.program("step41.prefill", _step, donate=("cache",),
@@ -339,4 +415,5 @@ def decode_step41(cache: Cache41, vectors, weights, active=None, *,
                      jnp.asarray(active, jnp.int32), bf16_latent=bf16_latent)
 
 
-__all__ = ["LayerVectors41", "LayerWeights41", "Step41", "decode_step41", "prefill41"]
+__all__ = ["Chunk41", "LayerVectors41", "LayerWeights41", "Step41", "begin41", "decode_step41",
+           "end41", "layer41", "prefill41"]
