@@ -32,7 +32,7 @@ pytest.importorskip("libtpu", reason="compiling for a TPU needs libtpu (jax's [t
 
 import v4kv_jax as v4  # noqa: E402
 from v4kv_jax import mesh as meshes  # noqa: E402
-from v4kv_jax import ops, programs, targets  # noqa: E402
+from v4kv_jax import ops, programs, step41, targets  # noqa: E402
 from v4kv_jax.testing import compile_sweep as sweep  # noqa: E402
 
 GENERATIONS = tuple(targets.GENERATIONS)
@@ -141,6 +141,28 @@ def test_the_programs_that_take_the_cache_keep_it_in_place(generation):
             _assert_in_place(compiled, cache, allowance, (width, name))
             if width == "tiny" and name == "decode":  # the kernels "auto" picks
                 assert len(_kernels(compiled)) == 6, name  # with the row writes, SWA's read
+
+
+# The V4.1 step (`step41.prefill41`'s program, the reference ops) at the tiny and V4.1-Flash
+# widths: (generation, width, chunk tokens) the suite compiles (4 rows, 16 slots of 4k; the
+# flash chunk's 64 tokens: about 200 s of compiling, benchmarks/tpu_compile.py's). The
+# allowance: a query tile's picks (4 rows x 16 queries x 512 picks x 512 values, 64 MiB) and
+# logits, and the decoded index keys of the rows' pages (the scores of a chunk read every
+# key of the context: bounding them by a loop over pages, as V4's indexer, is to come).
+V41_PROGRAMS = (("v5e", "tiny", 64), ("v6e", "flash", 1))
+
+
+@pytest.mark.time_limit(280)
+@pytest.mark.parametrize("generation, width, tokens", V41_PROGRAMS)
+def test_the_v41_step_keeps_the_cache_in_place(generation, width, tokens):
+    config, formats, allowance = {"tiny": (v4.tiny41(), "float32", 8),
+                                  "flash": (sweep.flash41_layers(), "release", 192)}[width]
+    geometry = v4.cache_config41(formats, num_pages=16 * 32 + 1, max_slots=16,
+                                 max_pages_per_seq=32)
+    args = sweep.step41_arguments(config, geometry, 4, tokens)
+    compiled = targets.compile_for(step41._step_jit, *args, target=_device(generation),
+                                   bf16_latent=False, query_tile=step41.QUERY_TILE)
+    _assert_in_place(compiled, args[0], allowance, (width, tokens))
 
 
 def _assert_in_place(compiled, cache, allowance_mib: float, what) -> None:

@@ -188,6 +188,11 @@ def _attend(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
     return out / total[..., None]
 
 
+# Queries a tile: the scores ([B, tile, E]), the picked entries ([B, tile, K, hd]) and the
+# logits of one tile are what a layer holds at once, whatever the chunk length.
+QUERY_TILE = 16
+
+
 @struct.dataclass
 class Chunk41:
     """What the layers of one step share (`begin41`, `layer41`, `end41`).
@@ -199,8 +204,8 @@ class Chunk41:
         rows' page-table rows (-1: none).
       keys: per kv source scored so far, its decoded index keys f32[B, E, c].
       picks: per index source run so far, its (ids, valid) (`ops.indexer41.select`).
-      read: per (entries, picks) pair read so far, the picked entries f32[B, T, K, hd].
-      candidates: the candidate source's bool[B, T, E] once it ran, else None.
+      candidates: the candidate source's blocks i32[B, T, KB] once it ran
+        (`ops.indexer41.candidate_blocks`), else None.
     """
 
     plan: append.AppendPlan
@@ -210,7 +215,6 @@ class Chunk41:
     pages: jax.Array
     keys: dict = struct.field(default_factory=dict)
     picks: dict = struct.field(default_factory=dict)
-    read: dict = struct.field(default_factory=dict)
     candidates: jax.Array | None = None
 
 
@@ -225,32 +229,61 @@ def begin41(cache: Cache41, slot_ids, n_new, tokens: int) -> tuple[Cache41, Chun
         pages=paging.slot_rows(pools.page_state(cache), ap.slot_ids))
 
 
-def _score(cache: Cache41, chunk: Chunk41, p: plan.LayerPlan, x: LayerVectors41, freqs
-           ) -> Chunk41:
+def _by_tiles(fn, tile: int, *arrays):
+    """fn over query tiles: each array [B, T, ...] cut into [B, tile, ...] pieces (T padded
+    with zeros to whole tiles), `lax.map` over them, the results joined back to [B, T, ...]."""
+    tokens = arrays[0].shape[1]
+    if tokens <= tile:
+        return fn(*arrays)
+    count = -(-tokens // tile)
+
+    def cut(x):
+        x = jnp.pad(x, [(0, 0), (0, count * tile - tokens)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(x.shape[0], count, tile, *x.shape[2:]), 1, 0)
+
+    def join(y):
+        y = jnp.moveaxis(y, 0, 1)
+        return y.reshape(y.shape[0], count * tile, *y.shape[3:])[:, :tokens]
+
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(cut(x) for x in arrays))
+    return jax.tree.map(join, out)
+
+
+def _score(cache: Cache41, chunk: Chunk41, p: plan.LayerPlan, x: LayerVectors41, freqs,
+           tile: int) -> Chunk41:
     """An index source's picks (and the candidate source's blocks) into the chunk."""
     config = cache.config
     keys = dict(chunk.keys)
     if p.keys not in keys:
         keys[p.keys] = _source_rows(cache, "keys", p.keys, chunk.pages)
+    source_keys = keys[p.keys]
+    width = source_keys.shape[1]
     n_visible = indexer41.visible_entries(chunk.positions, p.ratio)
     q_index = rope.rotate(x.q_index.astype(jnp.float32), chunk.positions[..., None], freqs)
     if cache.geometry.index_dtype == "mxfp4":  # the query rounded as the keys
         q_index = cache.codec("keys").decode(cache.codec("keys").encode(q_index))
     scale = indexer41.weights_scale(config.index_heads, config.index_head_dim)
-    scores = indexer41.index_scores(q_index, x.w_index.astype(jnp.float32) * scale,
-                                    keys[p.keys], n_visible)
-    candidates = chunk.candidates
-    if p.publishes_candidates:
-        candidates = indexer41.candidate_mask(scores, n_visible, config.candidate_block_size,
-                                              config.candidate_topk_blocks)
-    if p.candidates is not None:
-        scores = jnp.where(candidates, scores, -jnp.inf)
-    picks = {**chunk.picks, p.layer: indexer41.select(scores, n_visible, config.index_topk)}
-    return chunk.replace(keys=keys, picks=picks, candidates=candidates)
+    consumes = p.candidates is not None
+    blocks = chunk.candidates if consumes else jnp.zeros(n_visible.shape + (0,), jnp.int32)
+
+    def tile_picks(q, w, n, kept):
+        scores = indexer41.index_scores(q, w, source_keys, n)
+        published = (indexer41.candidate_blocks(scores, n, config.candidate_block_size,
+                                                config.candidate_topk_blocks)
+                     if p.publishes_candidates else jnp.zeros(n.shape + (0,), jnp.int32))
+        if consumes:
+            mask = indexer41.candidate_mask(kept, n, width, config.candidate_block_size)
+            scores = jnp.where(mask, scores, -jnp.inf)
+        return indexer41.select(scores, n, config.index_topk), published
+
+    picks, published = _by_tiles(tile_picks, tile, q_index,
+                                 x.w_index.astype(jnp.float32) * scale, n_visible, blocks)
+    return chunk.replace(keys=keys, picks={**chunk.picks, p.layer: picks},
+                         candidates=published if p.publishes_candidates else chunk.candidates)
 
 
 def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
-            weights: LayerWeights41, *, bf16_latent: bool = False
+            weights: LayerWeights41, *, bf16_latent: bool = False, query_tile: int = QUERY_TILE
             ) -> tuple[Cache41, Chunk41, jax.Array]:
     """One layer of the step, as its plan says: its window rows, a kv source's entries and
     keys, an index source's picks, then the attention of its queries.
@@ -262,6 +295,7 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
       layer: the layer's index (static).
       vectors: its `LayerVectors41` ([B, T, ...]); weights: its `LayerWeights41`.
       bf16_latent: as `prefill41`.
+      query_tile: queries scored and attended at once (bounds memory, not results).
 
     Returns:
       (cache, chunk, f32[B, T, H, hd] attention outputs before the output projection; zeros
@@ -281,27 +315,30 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
         cache = _compress(cache, p, ap, chunk.slots, chunk.pages, vectors, weights, freqs,
                           bf16_latent)
     if p.scores:
-        chunk = _score(cache, chunk, p, vectors, freqs)
-    # Keys of the window: the ring's rows before the chunk, then the chunk's own.
+        chunk = _score(cache, chunk, p, vectors, freqs, query_tile)
+    # Keys of the window: the ring's rows before the chunk, then the chunk's own; a key no
+    # query may see is 0, never multiplied (padding may be NaN).
     key_pos = jnp.concatenate([ap.start[:, None] - W + jnp.arange(W)[None, :], positions],
                               axis=1)
     key_ok = jnp.concatenate([jnp.ones((len(chunk.slots), W), bool), chunk.real], axis=1)
-    t = positions[:, :, None]
-    ok = (key_ok[:, None, :] & (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= t)
-          & (key_pos[:, None, :] > t - W))
-    # A key no query may see is 0, never multiplied (padding may be NaN).
-    stored = (key_ok & (key_pos >= 0))[..., None]
-    key_sets = [(jnp.where(stored, jnp.concatenate([before, rows], axis=1), 0.0), ok)]
-    if p.read == "sparse":
-        ids, valid = chunk.picks[p.picks]
-        pair = (p.entries, p.picks)
-        if pair not in chunk.read:
-            picked = jnp.where(valid[..., None], _picked(cache, p.entries, chunk.pages, ids), 0.0)
-            chunk = chunk.replace(read={**chunk.read, pair: picked})
-        key_sets.append((chunk.read[pair], valid))
-    q = rope.rotate(vectors.q.astype(jnp.float32), positions[..., None], freqs)
-    out = rope.rotate(_attend(q, weights.sink, key_sets), positions[..., None], freqs,
-                      inverse=True)
+    stored = key_ok & (key_pos >= 0)
+    window = jnp.where(stored[..., None], jnp.concatenate([before, rows], axis=1), 0.0)
+    sparse = p.read == "sparse"
+    none = positions.shape + (0,)  # a window-only layer reads no picks
+    ids, valid = (chunk.picks[p.picks] if sparse
+                  else (jnp.zeros(none, jnp.int32), jnp.zeros(none, bool)))
+
+    def tile_attend(q, t, ids, valid):
+        t = t[..., None]
+        ok = stored[:, None, :] & (key_pos[:, None, :] <= t) & (key_pos[:, None, :] > t - W)
+        key_sets = [(window, ok)]
+        if sparse:
+            picked = _picked(cache, p.entries, chunk.pages, ids)
+            key_sets.append((jnp.where(valid[..., None], picked, 0.0), valid))
+        q = rope.rotate(q.astype(jnp.float32), t, freqs)
+        return rope.rotate(_attend(q, weights.sink, key_sets), t, freqs, inverse=True)
+
+    out = _by_tiles(tile_attend, query_tile, vectors.q, positions, ids, valid)
     return cache, chunk, jnp.where(chunk.real[..., None, None], out, 0.0)
 
 
@@ -310,20 +347,20 @@ def end41(cache: Cache41, chunk: Chunk41) -> Cache41:
     return append.end_append(cache, chunk.plan)
 
 
-def _step(cache: Cache41, vectors, weights, slot_ids, n_new, *, bf16_latent: bool = False
-          ) -> tuple[Cache41, Step41]:
+def _step(cache: Cache41, vectors, weights, slot_ids, n_new, *, bf16_latent: bool = False,
+          query_tile: int = QUERY_TILE) -> tuple[Cache41, Step41]:
     cache, chunk = begin41(cache, slot_ids, n_new, vectors[0].q.shape[1])
     outputs = []
     for layer in range(len(vectors)):
         cache, chunk, out = layer41(cache, chunk, layer, vectors[layer], weights[layer],
-                                    bf16_latent=bf16_latent)
+                                    bf16_latent=bf16_latent, query_tile=query_tile)
         outputs.append(out)
     picks = tuple(chunk.picks[i] for i in cache.config.index_source_layers)
     return end41(cache, chunk), Step41(outputs=tuple(outputs), picks=picks)
 
 
 _step_jit = programs.program("step41.prefill", _step, donate=("cache",),
-                             static=("bf16_latent",))
+                             static=("bf16_latent", "query_tile"))
 
 
 def _check_call(cache: Cache41, vectors, weights, batch: int) -> int:
@@ -370,7 +407,8 @@ def _check_call(cache: Cache41, vectors, weights, batch: int) -> int:
 
 
 def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
-              bf16_latent: bool = False) -> tuple[Cache41, Step41]:
+              bf16_latent: bool = False, query_tile: int = QUERY_TILE
+              ) -> tuple[Cache41, Step41]:
     """Appends up to T tokens to each of B slots (any start length) and attends in every
     layer; jitted, the input cache donated.
 
@@ -381,6 +419,7 @@ def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
       slot_ids: i32[B] distinct slots (-1: a padding row, n_new 0).
       n_new: i32[B] tokens of each row to append (the rest of the row is padding).
       bf16_latent: round each pooled latent to bf16 before its norm, as the official code.
+      query_tile: queries scored and attended at once (bounds memory, not results).
 
     Returns:
       (cache, `Step41`).
@@ -396,7 +435,8 @@ def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
         append.check_rows(cache, slot_ids, n_new, tokens)
         append.check_room(cache, slot_ids, n_new)
     return _step_jit(cache, tuple(vectors), tuple(weights), jnp.asarray(slot_ids, jnp.int32),
-                     jnp.asarray(n_new, jnp.int32), bf16_latent=bf16_latent)
+                     jnp.asarray(n_new, jnp.int32), bf16_latent=bf16_latent,
+                     query_tile=checks.integer("query_tile", query_tile, lo=1))
 
 
 def decode_step41(cache: Cache41, vectors, weights, active=None, *,

@@ -31,7 +31,8 @@ def visible_entries(positions: jax.Array, ratio: int) -> jax.Array:
 
 def index_scores(q_index: jax.Array, w_index: jax.Array, keys: jax.Array,
                  n_visible: jax.Array) -> jax.Array:
-    """f32[B, T, E]: I_t,j for visible entries, -inf elsewhere.
+    """f32[B, T, E]: I_t,j for visible entries, -inf elsewhere; the heads summed one at a time
+    (memory B x T x E, not x nI).
 
     Args:
       q_index: f32[B, T, nI, c], the rotated (and, in the release formats, MXFP4-rounded)
@@ -40,17 +41,24 @@ def index_scores(q_index: jax.Array, w_index: jax.Array, keys: jax.Array,
       keys: f32[B, E, c], the decoded index keys of each row's pages, in entry order.
       n_visible: i32[B, T], n_t per query.
     """
-    dots = jnp.einsum("btnc,bec->btne", q_index, keys,
-                      precision=jax.lax.Precision.HIGHEST)
-    scores = jnp.einsum("btn,btne->bte", w_index, jnp.maximum(dots, 0.0),
-                        precision=jax.lax.Precision.HIGHEST)
+    batch, tokens = q_index.shape[:2]
+
+    def head(total, x):
+        q, w = x
+        dots = jnp.einsum("btc,bec->bte", q, keys, precision=jax.lax.Precision.HIGHEST)
+        return total + w[..., None] * jnp.maximum(dots, 0.0), None
+
+    zero = jnp.zeros((batch, tokens, keys.shape[1]), jnp.float32)
+    scores, _ = jax.lax.scan(head, zero, (jnp.moveaxis(q_index, 2, 0),
+                                          jnp.moveaxis(w_index, 2, 0)))
     j = jnp.arange(keys.shape[1], dtype=jnp.int32)
     return jnp.where(j < n_visible[..., None], scores, -jnp.inf)
 
 
-def candidate_mask(scores: jax.Array, n_visible: jax.Array, block_size: int,
-                   topk_blocks: int) -> jax.Array:
-    """bool[B, T, E]: the entries of each query's candidate blocks (section 4.4).
+def candidate_blocks(scores: jax.Array, n_visible: jax.Array, block_size: int,
+                     topk_blocks: int) -> jax.Array:
+    """i32[B, T, KB]: each query's candidate blocks (section 4.4), KB = min(topk_blocks,
+    blocks), in rank order; a block not kept (its best score -inf) is `blocks`.
 
     Args:
       scores: f32[B, T, E] of the candidate source (`index_scores`: -inf past n_t).
@@ -66,9 +74,16 @@ def candidate_mask(scores: jax.Array, n_visible: jax.Array, block_size: int,
     newest = (n_visible - 1) // block_size
     best = jnp.where((b == newest[..., None]) & (n_visible[..., None] > 0), jnp.inf, best)
     value, ids = jax.lax.top_k(best, min(topk_blocks, blocks))
-    ids = jnp.where(value > -jnp.inf, ids, blocks)  # a -inf block is not kept
+    return jnp.where(value > -jnp.inf, ids, blocks)
+
+
+def candidate_mask(block_ids: jax.Array, n_visible: jax.Array, width: int, block_size: int
+                   ) -> jax.Array:
+    """bool[B, T, E]: the visible entries of the blocks `block_ids` (`candidate_blocks`)."""
+    batch, tokens = block_ids.shape[:2]
+    blocks = -(-width // block_size)
     kept = jnp.zeros((batch, tokens, blocks + 1), bool)
-    kept = jax.vmap(jax.vmap(lambda k, i: k.at[i].set(True)))(kept, ids)[..., :blocks]
+    kept = jax.vmap(jax.vmap(lambda k, i: k.at[i].set(True)))(kept, block_ids)[..., :blocks]
     j = jnp.arange(width, dtype=jnp.int32)
     return kept[..., j // block_size] & (j < n_visible[..., None])
 
@@ -97,4 +112,5 @@ def weights_scale(index_heads: int, index_head_dim: int) -> np.float32:
     return np.float32(index_head_dim ** -0.5 * index_heads ** -0.5)
 
 
-__all__ = ["candidate_mask", "index_scores", "select", "visible_entries", "weights_scale"]
+__all__ = ["candidate_blocks", "candidate_mask", "index_scores", "select", "visible_entries",
+           "weights_scale"]

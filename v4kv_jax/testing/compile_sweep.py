@@ -19,8 +19,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from v4kv_jax import append, ops, pools, programs, targets
+from v4kv_jax import append, ops, plan, pools, programs, step41, targets
 from v4kv_jax import config as cfg
+from v4kv_jax import config41 as cfg41
 from v4kv_jax.pools import storage
 from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.vectors import CompressorInput, CompressorWeights, Queries, TokenVectors
@@ -160,6 +161,37 @@ def flash_layers() -> cfg.AttentionConfig:
     """V4-Flash's widths (64 heads of 512, its indexer), one layer of each kind."""
     return cfg.flash(hidden_size=256, q_lora_rank=64, o_lora_rank=16,
                      compress_ratios=(0, 4, 128))
+
+
+def flash41_layers() -> cfg41.V41Config:
+    """V4.1-Flash's widths (64 heads of 512, its indexer, candidate blocks), T1's six layers:
+    SWA, a ratio-2 kv source and a Reuse layer, a ratio-1 kv source that is the candidate
+    source, a Reuse layer and a Reindex layer with candidates."""
+    return cfg41.flash41(hidden_size=256, q_lora_rank=64, o_lora_rank=16,
+                         compress_ratios=(0, 2, 2, 1, 1, 1), kv_source_layers=(1, 3),
+                         index_source_layers=(1, 3, 5), candidate_source_layer=3)
+
+
+def step41_arguments(config: cfg41.V41Config, geometry: cfg.CacheConfig, batch: int,
+                     tokens: int) -> tuple:
+    """Abstract arguments of `step41.prefill41`'s program: (cache, vectors, weights, slot_ids,
+    n_new), each layer's vectors and weights as its plan needs them."""
+    cache = jax.eval_shape(lambda: pools.init_cache41(config, geometry))
+    B, T, H, hd = batch, tokens, config.num_heads, config.head_dim
+    nI, c = config.index_heads, config.index_head_dim
+    vectors, weights = [], []
+    for p in plan.of(config):
+        own, pair = p.writes_entries, p.writes_entries and p.ratio == 2
+        vectors.append(step41.LayerVectors41(
+            q=_sds((B, T, H, hd)), win=_sds((B, T, hd)), a=_sds((B, T, hd)) if own else None,
+            z=_sds((B, T, hd)) if pair else None,
+            q_index=_sds((B, T, nI, c)) if p.scores else None,
+            w_index=_sds((B, T, nI)) if p.scores else None))
+        weights.append(step41.LayerWeights41(
+            sink=_sds((H,)), norm_c=_sds((hd,)) if own else None,
+            wk=_sds((c, hd)) if own else None, k_norm=_sds((c,)) if own else None))
+    rows = _sds((B,), jnp.int32)
+    return cache, tuple(vectors), tuple(weights), rows, rows
 
 
 def cache_program(name: str, model: cfg.AttentionConfig, geometry: cfg.CacheConfig,
