@@ -53,7 +53,7 @@ def _cache(config, formats="float32", slots=3):
     return _poisoned(cache) if formats == "float32" else cache
 
 
-def _run(cache, config, inputs, slot, chunks, *, other=None, start=0, tile=TOKENS):
+def _run(cache, config, inputs, slot, chunks, *, other=None, start=0, options=None):
     """Feeds positions start.. of `inputs` in `chunks` (lengths) to `slot`, beside a padding
     row (-1, NaN vectors) or `other` = (slot, inputs, start) fed the same chunk lengths;
     returns the cache, the outputs per layer [n, H, hd] and the picks per index source."""
@@ -71,7 +71,7 @@ def _run(cache, config, inputs, slot, chunks, *, other=None, start=0, tile=TOKEN
             ids, n_new = other[0], n
         vec = [jax.tree.map(lambda a, b: jnp.concatenate([a, b]), s, v)
                for s, v in zip(side, vec, strict=True)]
-        cache, out = step41.prefill41(cache, vec, w, [ids, slot], [n_new, n], query_tile=tile)
+        cache, out = step41.prefill41(cache, vec, w, [ids, slot], [n_new, n], options=options)
         for layer, o in enumerate(out.outputs):
             outs[layer].append(np.asarray(o[1, :n]))
             assert not np.any(np.asarray(o[1, n:])), "padding tokens give zeros"
@@ -101,17 +101,21 @@ def _stored(cache, config, ref, slot, length) -> None:
         np.testing.assert_allclose(keys, ref.keys[s], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("config, length, chunks, tile", [
-    (T1, 40, (16, 16, 8), 5),  # T1: every block type; queries in tiles of 5
-    (T1, 67, (5, 3, 16, 1, 1, 1, 13, 16, 11), TOKENS),  # T3: odd starts, decode between
-    (T2, 67, (16, 16, 16, 16, 3), 4),  # T2: the candidate mask bites once n_t > 12
+# Queries in tiles of 5, index keys read a page at a time (several loop steps a tile).
+SMALL_READS = v4.Options(query_tile=5, index_read_entries=64)
+
+
+@pytest.mark.parametrize("config, length, chunks, options", [
+    (T1, 40, (16, 16, 8), SMALL_READS),  # T1: every block type
+    (T1, 67, (5, 3, 16, 1, 1, 1, 13, 16, 11), None),  # T3: odd starts, decode between
+    (T2, 67, (16, 16, 16, 16, 3), SMALL_READS),  # T2: the candidate mask bites once n_t > 12
 ])
-def test_step_equals_the_oracle(config, length, chunks, tile):
+def test_step_equals_the_oracle(config, length, chunks, options):
     stack = cases.stack_of(config)
     inputs = oracle.random_inputs(stack, length, seed=length)
     ref = oracle.run(stack, inputs)
     cache = pools.reset_slot(_cache(config), 1)
-    cache, outs, picks = _run(cache, config, inputs, 1, chunks, tile=tile)
+    cache, outs, picks = _run(cache, config, inputs, 1, chunks, options=options)
     _check(config, ref, outs, picks)
     _stored(cache, config, ref, 1, length)
     assert int(cache.state.lengths[1]) == length

@@ -146,9 +146,8 @@ def test_the_programs_that_take_the_cache_keep_it_in_place(generation):
 # The V4.1 step (`step41.prefill41`'s program, the reference ops) at the tiny and V4.1-Flash
 # widths: (generation, width, chunk tokens) the suite compiles (4 rows, 16 slots of 4k; the
 # flash chunk's 64 tokens: about 200 s of compiling, benchmarks/tpu_compile.py's). The
-# allowance: a query tile's picks (4 rows x 16 queries x 512 picks x 512 values, 64 MiB) and
-# logits, and the decoded index keys of the rows' pages (the scores of a chunk read every
-# key of the context: bounding them by a loop over pages, as V4's indexer, is to come).
+# allowance: a query tile's picks and logits (4 rows x 64 queries x 512 picks x 512 values:
+# 256 MiB at V4.1-Flash's widths, none of it the decode's) and a scoring step's keys.
 V41_PROGRAMS = (("v5e", "tiny", 64), ("v6e", "flash", 1))
 
 
@@ -161,7 +160,7 @@ def test_the_v41_step_keeps_the_cache_in_place(generation, width, tokens):
                                  max_pages_per_seq=32)
     args = sweep.step41_arguments(config, geometry, 4, tokens)
     compiled = targets.compile_for(step41._step_jit, *args, target=_device(generation),
-                                   bf16_latent=False, query_tile=step41.QUERY_TILE)
+                                   bf16_latent=False, options=v4.Options())
     _assert_in_place(compiled, args[0], allowance, (width, tokens))
 
 

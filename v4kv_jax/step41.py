@@ -17,7 +17,7 @@ layer in order:
 `prefill41` / `decode_step41` run every layer from vectors given for all of them (one jitted
 program, the cache donated); a model whose layer l + 1's input depends on layer l's output
 runs the same pieces inside its own program: `begin41`, then `layer41` per layer in order
-(the `Chunk41` it threads carries the picks, keys and candidate blocks the later layers
+(the `Chunk41` it threads carries the picks and candidate blocks the later layers
 share), then `end41`.
 
 Inputs are the per-layer vectors a V4.1 layer projects (`LayerVectors41`: the form the
@@ -26,8 +26,11 @@ the attention outputs before the output projection. Slots, pages and flags work 
 (`append.begin_append`: a padding row, a FREE or flagged slot, a slot out of pages or past
 max_seq_len appends nothing and reads nothing).
 
-Scores span every entry of a row's page-table row, masked by visibility (memory
-B x T x E per index source; bounded scoring is to come, as V4's `ops.indexer`).
+Memory is bounded by the working set, not the chunk or the cache: queries go in tiles of
+`Options.query_tile` (a tile's scores [B, tile, E], picks [B, tile, K, hd] and logits at
+once), and a tile's scores read the index keys a few pages a loop step
+(`Options.index_read_entries`); the scores span every entry of a row's page-table row,
+masked by visibility.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 from flax import struct
 
 from v4kv_jax import append, checks, plan, pools, programs, rope
+from v4kv_jax.config import Options, options_or_default
 from v4kv_jax.ops import compressor41, indexer41
 from v4kv_jax.pools import cache41, paging
 from v4kv_jax.pools.cache41 import Cache41
@@ -146,13 +150,28 @@ def _compress(cache: Cache41, p: plan.LayerPlan, ap: append.AppendPlan, slots, p
     return cache
 
 
-def _source_rows(cache: Cache41, name: str, source: int, pages: jax.Array) -> jax.Array:
-    """f32[B, E, w]: every record of a kv source's store in each row's pages, in entry order
-    (pages -1 read page 0: the caller masks them by visibility)."""
-    store = cache41.source_store(cache, name, source)
-    rows = store.block_records((jnp.clip(pages, 0, None),))  # [B, maxp, per_page, words]
-    values = cache.codec(name).decode(rows)
-    return values.reshape(values.shape[0], -1, values.shape[-1])
+def _scores(cache: Cache41, source: int, pages: jax.Array, q_index: jax.Array,
+            w_index: jax.Array, n_visible: jax.Array, read_entries: int) -> jax.Array:
+    """f32[B, t, E]: the index scores of a tile of queries against every key of kv source
+    `source` in the rows' pages, decoded about `read_entries` keys (whole pages) a loop
+    step; -inf past each query's n_t (pages -1 read page 0, masked so)."""
+    store = cache41.source_store(cache, "keys", source)
+    codec = cache.codec("keys")
+    per_page = store.map.records
+    step = max(1, min(pages.shape[1], read_entries // per_page))
+    count = -(-pages.shape[1] // step)
+    cut = jnp.pad(jnp.clip(pages, 0, None), ((0, 0), (0, count * step - pages.shape[1])))
+    cut = jnp.moveaxis(cut.reshape(pages.shape[0], count, step), 1, 0)
+
+    def body(first, page_ids):
+        keys = codec.decode(store.block_records((page_ids,)))  # [B, step, per_page, c]
+        keys = keys.reshape(keys.shape[0], -1, keys.shape[-1])
+        seen = n_visible - first  # entries of this piece the query sees
+        return first + keys.shape[1], indexer41.index_scores(q_index, w_index, keys, seen)
+
+    _, pieces = jax.lax.scan(body, jnp.int32(0), cut)  # [count, B, t, step * per_page]
+    pieces = jnp.moveaxis(pieces, 0, 2)
+    return pieces.reshape(*pieces.shape[:2], -1)[..., :pages.shape[1] * per_page]
 
 
 def _picked(cache: Cache41, source: int, pages: jax.Array, ids: jax.Array) -> jax.Array:
@@ -188,11 +207,6 @@ def _attend(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
     return out / total[..., None]
 
 
-# Queries a tile: the scores ([B, tile, E]), the picked entries ([B, tile, K, hd]) and the
-# logits of one tile are what a layer holds at once, whatever the chunk length.
-QUERY_TILE = 16
-
-
 @struct.dataclass
 class Chunk41:
     """What the layers of one step share (`begin41`, `layer41`, `end41`).
@@ -202,7 +216,6 @@ class Chunk41:
       positions: i32[B, T] absolute positions; real: bool[B, T] the rows' appended tokens.
       slots: i32[B] slot ids clipped for State reads; pages: i32[B, max_pages_per_seq] the
         rows' page-table rows (-1: none).
-      keys: per kv source scored so far, its decoded index keys f32[B, E, c].
       picks: per index source run so far, its (ids, valid) (`ops.indexer41.select`).
       candidates: the candidate source's blocks i32[B, T, KB] once it ran
         (`ops.indexer41.candidate_blocks`), else None.
@@ -213,15 +226,16 @@ class Chunk41:
     real: jax.Array
     slots: jax.Array
     pages: jax.Array
-    keys: dict = struct.field(default_factory=dict)
     picks: dict = struct.field(default_factory=dict)
     candidates: jax.Array | None = None
 
 
-def begin41(cache: Cache41, slot_ids, n_new, tokens: int) -> tuple[Cache41, Chunk41]:
+def begin41(cache: Cache41, slot_ids, n_new, tokens: int, *, reject=None
+            ) -> tuple[Cache41, Chunk41]:
     """Takes the pages the chunk needs and flags slots that cannot append
-    (`append.begin_append`'s rules); the `Chunk41` the layers then share."""
-    cache, ap = append.begin_append(cache, slot_ids, n_new, tokens)
+    (`append.begin_append`'s rules; `reject`: optional bool[B], rows the caller found invalid,
+    e.g. token ids outside the vocabulary); the `Chunk41` the layers then share."""
+    cache, ap = append.begin_append(cache, slot_ids, n_new, tokens, reject=reject)
     return cache, Chunk41(
         plan=ap, positions=ap.positions(tokens),
         real=jnp.arange(tokens)[None, :] < ap.n_new[:, None],
@@ -250,14 +264,10 @@ def _by_tiles(fn, tile: int, *arrays):
 
 
 def _score(cache: Cache41, chunk: Chunk41, p: plan.LayerPlan, x: LayerVectors41, freqs,
-           tile: int) -> Chunk41:
+           options: Options) -> Chunk41:
     """An index source's picks (and the candidate source's blocks) into the chunk."""
     config = cache.config
-    keys = dict(chunk.keys)
-    if p.keys not in keys:
-        keys[p.keys] = _source_rows(cache, "keys", p.keys, chunk.pages)
-    source_keys = keys[p.keys]
-    width = source_keys.shape[1]
+    width = chunk.pages.shape[1] * (cache.geometry.page_tokens // p.ratio)
     n_visible = indexer41.visible_entries(chunk.positions, p.ratio)
     q_index = rope.rotate(x.q_index.astype(jnp.float32), chunk.positions[..., None], freqs)
     if cache.geometry.index_dtype == "mxfp4":  # the query rounded as the keys
@@ -267,7 +277,7 @@ def _score(cache: Cache41, chunk: Chunk41, p: plan.LayerPlan, x: LayerVectors41,
     blocks = chunk.candidates if consumes else jnp.zeros(n_visible.shape + (0,), jnp.int32)
 
     def tile_picks(q, w, n, kept):
-        scores = indexer41.index_scores(q, w, source_keys, n)
+        scores = _scores(cache, p.keys, chunk.pages, q, w, n, options.index_read_entries)
         published = (indexer41.candidate_blocks(scores, n, config.candidate_block_size,
                                                 config.candidate_topk_blocks)
                      if p.publishes_candidates else jnp.zeros(n.shape + (0,), jnp.int32))
@@ -276,15 +286,15 @@ def _score(cache: Cache41, chunk: Chunk41, p: plan.LayerPlan, x: LayerVectors41,
             scores = jnp.where(mask, scores, -jnp.inf)
         return indexer41.select(scores, n, config.index_topk), published
 
-    picks, published = _by_tiles(tile_picks, tile, q_index,
+    picks, published = _by_tiles(tile_picks, options.query_tile, q_index,
                                  x.w_index.astype(jnp.float32) * scale, n_visible, blocks)
-    return chunk.replace(keys=keys, picks={**chunk.picks, p.layer: picks},
+    return chunk.replace(picks={**chunk.picks, p.layer: picks},
                          candidates=published if p.publishes_candidates else chunk.candidates)
 
 
 def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
-            weights: LayerWeights41, *, bf16_latent: bool = False, query_tile: int = QUERY_TILE
-            ) -> tuple[Cache41, Chunk41, jax.Array]:
+            weights: LayerWeights41, *, bf16_latent: bool = False,
+            options: Options | None = None) -> tuple[Cache41, Chunk41, jax.Array]:
     """One layer of the step, as its plan says: its window rows, a kv source's entries and
     keys, an index source's picks, then the attention of its queries.
 
@@ -295,13 +305,16 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
       layer: the layer's index (static).
       vectors: its `LayerVectors41` ([B, T, ...]); weights: its `LayerWeights41`.
       bf16_latent: as `prefill41`.
-      query_tile: queries scored and attended at once (bounds memory, not results).
+      options: `Options.query_tile` queries are scored and attended at once, and the index
+        keys decoded `Options.index_read_entries` at a time (they bound memory, not
+        results); the V4.1 ops run the reference (its kernels are to come).
 
     Returns:
       (cache, chunk, f32[B, T, H, hd] attention outputs before the output projection; zeros
       for tokens the rows did not append).
     """
     config = cache.config
+    options = options_or_default(options)
     p = plan.of(config)[layer]
     ap, positions = chunk.plan, chunk.positions
     freqs = rope.inv_frequencies_v41(config, p.rope == "compress")
@@ -315,7 +328,7 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
         cache = _compress(cache, p, ap, chunk.slots, chunk.pages, vectors, weights, freqs,
                           bf16_latent)
     if p.scores:
-        chunk = _score(cache, chunk, p, vectors, freqs, query_tile)
+        chunk = _score(cache, chunk, p, vectors, freqs, options)
     # Keys of the window: the ring's rows before the chunk, then the chunk's own; a key no
     # query may see is 0, never multiplied (padding may be NaN).
     key_pos = jnp.concatenate([ap.start[:, None] - W + jnp.arange(W)[None, :], positions],
@@ -338,7 +351,7 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
         q = rope.rotate(q.astype(jnp.float32), t, freqs)
         return rope.rotate(_attend(q, weights.sink, key_sets), t, freqs, inverse=True)
 
-    out = _by_tiles(tile_attend, query_tile, vectors.q, positions, ids, valid)
+    out = _by_tiles(tile_attend, options.query_tile, vectors.q, positions, ids, valid)
     return cache, chunk, jnp.where(chunk.real[..., None, None], out, 0.0)
 
 
@@ -348,19 +361,19 @@ def end41(cache: Cache41, chunk: Chunk41) -> Cache41:
 
 
 def _step(cache: Cache41, vectors, weights, slot_ids, n_new, *, bf16_latent: bool = False,
-          query_tile: int = QUERY_TILE) -> tuple[Cache41, Step41]:
+          options: Options | None = None) -> tuple[Cache41, Step41]:
     cache, chunk = begin41(cache, slot_ids, n_new, vectors[0].q.shape[1])
     outputs = []
     for layer in range(len(vectors)):
         cache, chunk, out = layer41(cache, chunk, layer, vectors[layer], weights[layer],
-                                    bf16_latent=bf16_latent, query_tile=query_tile)
+                                    bf16_latent=bf16_latent, options=options)
         outputs.append(out)
     picks = tuple(chunk.picks[i] for i in cache.config.index_source_layers)
     return end41(cache, chunk), Step41(outputs=tuple(outputs), picks=picks)
 
 
 _step_jit = programs.program("step41.prefill", _step, donate=("cache",),
-                             static=("bf16_latent", "query_tile"))
+                             static=("bf16_latent", "options"))
 
 
 def _check_call(cache: Cache41, vectors, weights, batch: int) -> int:
@@ -407,7 +420,7 @@ def _check_call(cache: Cache41, vectors, weights, batch: int) -> int:
 
 
 def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
-              bf16_latent: bool = False, query_tile: int = QUERY_TILE
+              bf16_latent: bool = False, options: Options | None = None
               ) -> tuple[Cache41, Step41]:
     """Appends up to T tokens to each of B slots (any start length) and attends in every
     layer; jitted, the input cache donated.
@@ -419,7 +432,7 @@ def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
       slot_ids: i32[B] distinct slots (-1: a padding row, n_new 0).
       n_new: i32[B] tokens of each row to append (the rest of the row is padding).
       bf16_latent: round each pooled latent to bf16 before its norm, as the official code.
-      query_tile: queries scored and attended at once (bounds memory, not results).
+      options: `Options` (`layer41`: the query tile and the keys a scoring loop step reads).
 
     Returns:
       (cache, `Step41`).
@@ -436,11 +449,12 @@ def prefill41(cache: Cache41, vectors, weights, slot_ids, n_new, *,
         append.check_room(cache, slot_ids, n_new)
     return _step_jit(cache, tuple(vectors), tuple(weights), jnp.asarray(slot_ids, jnp.int32),
                      jnp.asarray(n_new, jnp.int32), bf16_latent=bf16_latent,
-                     query_tile=checks.integer("query_tile", query_tile, lo=1))
+                     options=options_or_default(options))
 
 
 def decode_step41(cache: Cache41, vectors, weights, active=None, *,
-                  bf16_latent: bool = False) -> tuple[Cache41, Step41]:
+                  bf16_latent: bool = False, options: Options | None = None
+                  ) -> tuple[Cache41, Step41]:
     """Appends one token to every active slot: `prefill41` over all max_slots slots with
     T = 1 (vectors [max_slots, 1, ...]); `active` bool[max_slots], by default the slots whose
     status is ACTIVE."""
@@ -452,7 +466,7 @@ def decode_step41(cache: Cache41, vectors, weights, active=None, *,
         checks.shape("active", active, (S,))
         checks.dtype_kind("active", active, "bool")
     return prefill41(cache, vectors, weights, np.arange(S, dtype=np.int32),
-                     jnp.asarray(active, jnp.int32), bf16_latent=bf16_latent)
+                     jnp.asarray(active, jnp.int32), bf16_latent=bf16_latent, options=options)
 
 
 __all__ = ["Chunk41", "LayerVectors41", "LayerWeights41", "Step41", "begin41", "decode_step41",
