@@ -199,7 +199,7 @@ def test_help_describes_every_command(capsys):
     out = _help(capsys, ["--help"])
     assert "v4kv demo prefill + decode a ragged batch" in out  # the module docstring
     assert "demo prefill + decode a ragged batch on a small random model and check it" in out
-    assert "memory cache cost of a preset (flash, pro) at a context length" in out
+    assert "memory cache cost of a preset (flash, pro, flash41) at a context length" in out
     assert "check every Pallas kernel against the jnp reference on this machine's" in out
     assert "`v4kv <command> --help` lists the options of a command" in out
 
@@ -226,7 +226,8 @@ def test_help_of_a_command_gives_every_option_its_default(capsys, command):
         assert "(default: None)" not in out and "(default: False)" not in out
     else:
         assert "(default: flash)" in out and "(default: 1048576)" in out
-        assert "(default: the preset's: release for flash and pro, float32 for tiny)" in out
+        assert ("(default: the preset's: release for flash, pro and flash41, float32 for tiny)"
+                in out)
         assert "(default: 0)" in out and "(default: 1)" in out and "(default: 64.0)" in out
         assert "(default: None)" not in out
 
@@ -302,8 +303,8 @@ def test_subcommands_called_directly_check_their_namespace():
     with pytest.raises(ValueError, match=r"--formats: expected one of \('release', 'float32', "
                                          r"'bfloat16', 'float16'\); got 'fp8'"):
         cli.memory(argparse.Namespace(preset="flash", tokens=5, formats="fp8"))
-    with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'pro', 'tiny'\); "
-                                         "got 'huge'"):
+    with pytest.raises(ValueError, match=r"--preset: expected one of \('flash', 'flash41', 'pro', "
+                                         r"'tiny'\); got 'huge'"):
         cli.memory(argparse.Namespace(preset="huge", tokens=5, formats="bfloat16"))
     with pytest.raises(ValueError, match=r"--device-gib: expected a number in \(0.0, inf\]; "
                                          "got -2.0"):

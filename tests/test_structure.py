@@ -21,7 +21,7 @@ PACKAGE = ROOT / "v4kv_jax"
 # Lowest first: a module may import only modules before it (and the package's own children).
 ORDER = ["checks", "config", "config41", "plan", "rope", "programs", "targets", "pools",
          "vectors", "mesh", "ops", "append", "step", "step41", "prefix", "nn", "serve", "interop",
-         "testing", "kernel_check", "cli"]
+         "testing", "kernel_check", "costs", "cli"]
 
 
 def _unit(path: pathlib.Path) -> str:

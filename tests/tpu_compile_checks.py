@@ -12,7 +12,7 @@ by tests/test_tpu_compile.py (libtpu and the TPU compiler's memory leave with it
   step, the Generator's program), "auto", at the tests' and V4-Flash's widths on v5e and
   v6e: no cache array relayouted or copied in HBM (`targets.cache_copies`), temporaries
   bounded by the working set, not by the cache; every cache array row-major and unpadded
-  as the chip lays it out (`pools.laid_out`).
+  as the chip lays it out (`pools.laid_out`; a V4.1-Flash cache too, `pools.laid_out41`).
 - The notebook's Generator program compiles for the single chips Colab offers; the
   data-parallel step on a 4-chip topology holds no collective.
 """
@@ -210,6 +210,26 @@ def test_every_cache_array_is_row_major_and_unpadded_on_a_tpu(width):
         assert laid.error is None and laid.not_row_major == (), (formats, laid)
         assert laid.stored_bytes <= laid.argument_bytes <= laid.stored_bytes + 16 * 1024, (
             formats, laid)
+
+
+@pytest.mark.parametrize("formats", ["release", "float32"])
+def test_every_v41_cache_array_is_row_major_and_unpadded_on_a_tpu(formats):
+    """A V4.1-Flash cache (`pools.laid_out41`) as the chip lays it out: every array row-major,
+    its stored bytes (`pools.page_bytes41` a page, `pools.state_bytes_per_request41` a slot,
+    the page state) and a few KiB of tiles around the counters and page table."""
+    from v4kv_jax.pools import cache41
+
+    config = v4.flash41()
+    geometry = cache41.cache_config41(formats, num_pages=4 * 32 + 1, max_slots=4,
+                                      max_pages_per_seq=32)
+    laid = v4.pools.laid_out41(config, geometry, "v6e")
+    assert laid.error is None and laid.not_row_major == (), (formats, laid)
+    own = (geometry.num_pages * v4.pools.page_bytes41(config, geometry)
+           + 4 * v4.pools.state_bytes_per_request41(config, geometry))
+    # + the page state: page table, free stack, refcounts, free count (int32).
+    assert laid.stored_bytes == own + 4 * (4 * 32 + 2 * geometry.num_pages + 1)
+    assert laid.stored_bytes <= laid.argument_bytes <= laid.stored_bytes + 16 * 1024, (
+        formats, laid)
 
 
 @pytest.mark.time_limit(280)

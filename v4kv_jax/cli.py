@@ -5,10 +5,11 @@
                  and the largest deviation from the brute-force oracle; then generates
                  tokens with a Flax decoder of the same attention geometry (the Engine), and
                  a prompt sharing a prefix hits its pages (checked against a cold run).
-  v4kv memory    the cache cost of a preset (flash, pro) at a given context, computed from
-                 the geometry alone, in the preset's storage formats (the release formats
-                 for flash and pro) or those of --formats; with --target v5e (v4, v6e) also
-                 the bytes the TPU compiler lays the cache out in on that chip.
+  v4kv memory    the cache cost of a preset (flash, pro; DeepSeek-V4.1's flash41) at a given
+                 context, computed from the geometry alone, in the preset's storage formats
+                 (the release formats for flash, pro and flash41) or those of --formats;
+                 with --target v5e (v4, v6e) also the bytes the TPU compiler lays the cache
+                 out in on that chip.
   v4kv check     every Pallas kernel against the jnp reference on this machine's accelerator
                  (a CPU interprets them) at a preset's widths or yours: per op, agreement,
                  largest error, both times; records the rows "auto" follows.
@@ -29,10 +30,9 @@ import time
 import jax
 import numpy as np
 
-from v4kv_jax import checks, kernel_check, pools, programs, targets
+from v4kv_jax import checks, costs, kernel_check, pools, programs
 from v4kv_jax import config as cfg
-from v4kv_jax.pools import storage
-from v4kv_jax.pools.layout import compressor_specs
+from v4kv_jax.costs import memory  # noqa: F401 (`v4kv memory`, by name)
 from v4kv_jax.programs import default_cache_dir  # noqa: F401 (the CLI's folder, by name)
 
 DEMO_MODEL = dict(hidden_size=256, num_heads=4, head_dim=64, rope_dim=16, q_lora_rank=64,
@@ -46,10 +46,6 @@ def _say(msg: str) -> None:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.2f} MiB"
-
-
-def _gib_text(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
 
 
 # --- jax's persistent compilation cache --------------------------------------------------------
@@ -344,86 +340,11 @@ def _count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
-def memory(args) -> int:
-    _check_namespace(args, ("tokens",))
-    checks.one_of("--preset", getattr(args, "preset", None), sorted(cfg.PRESETS))
-    formats = getattr(args, "formats", None) or cfg.PRESET_FORMATS[args.preset]
-    checks.one_of("--formats", formats, tuple(cfg.FORMAT_SETS))
-    target = getattr(args, "target", None)
-    checks.one_of("--target", target, (None, *sorted(targets.GENERATIONS)))
-    model = cfg.PRESETS[args.preset]()
-    hot_rows = checks.integer("--hot-rows", getattr(args, "hot_rows", 0), lo=0)
-    devices = checks.integer("--devices", getattr(args, "devices", 1), lo=1)
-    budget = checks.real("--device-gib", getattr(args, "device_gib", 64.0), lo=0.0,
-                         lo_open=True) * 2**30
-    problem = _memory_problem(args)
-    if problem:
-        raise ValueError(problem)
-    pages = -(-args.tokens // cfg.CacheConfig(1, 1, 1).page_tokens)
-    geometry = cfg.CacheConfig.with_formats(formats, num_pages=pages, max_slots=1,
-                                            max_pages_per_seq=pages, hot_rows=hot_rows,
-                                            c4_tier="host" if hot_rows else "device")
-    logical = pools.classical_bytes_per_token(model, geometry)
-    stored = pools.stored_bytes_per_token(model, geometry)
-    state = pools.state_bytes_per_request(model, geometry)
-    classical = pages * pools.page_bytes(model, geometry)
-    needed = sum(len(model.layers_of(spec.kind)) * storage.codec(model, geometry, spec.name)
-                 .row_bytes * (args.tokens // spec.ratio) for spec in compressor_specs(model)
-                 if model.layers_of(spec.kind))
-    first = min(spec.ratio for spec in compressor_specs(model) if model.layers_of(spec.kind))
-    padding = (f"x{classical / needed:.3f} of the entries' own bytes" if needed else
-               f"no compressed entry is complete before {first} tokens")
-    dense = args.tokens * pools.dense_cache_bytes_per_token(model, geometry.entry_dtype)
-    rows = {name: storage.codec(model, geometry, name) for name in ("csa", "csa_index", "window")}
-    tails = (f"{geometry.tail_dtype} tails, HCA tail "
-             f"{'online (3 x hd)' if geometry.hca_tail == 'online' else 'ring'}")
-    _say(f"{args.preset}: {model.num_layers} layers ({model.num_csa} CSA, {model.num_hca} HCA, "
-         f"{len(model.layers_of(cfg.LayerKind.SWA))} SWA); formats {formats}: entries "
-         f"{geometry.entry_dtype} ({rows['csa'].row_bytes} B), indexer keys "
-         f"{geometry.index_dtype} ({rows['csa_index'].row_bytes} B), window "
-         f"{geometry.window_dtype} ({rows['window'].row_bytes} B), {tails}")
-    _say("Classical bytes/token: " + ", ".join(f"{k} {v:.2f} B" for k, v in logical.items())
-         + "; as stored (lane-dense pools): "
-         + ", ".join(f"{k} {v:.2f} B" for k, v in stored.items())
-         + f" (x{stored['total'] / logical['total']:.3f})")
-    _say(f"At {_count(args.tokens, 'token')}: Classical {_mib(classical)} as stored in "
-         f"{_count(pages, 'page')} ({padding}), State {_mib(state)} ({state:,} B) per "
-         f"request, dense per-token cache {_mib(dense)}")
-    if target is not None:
-        _say(pools.format_laid_out(pools.laid_out(model, geometry, target)))
-    device_request = classical
-    if hot_rows:
-        device_request = pages * pools.device_bytes_per_token(model, geometry) * (
-            geometry.page_tokens)
-        _say(f"HiSparse (C4 entries on the host, {hot_rows} hot rows per CSA layer and "
-             f"request): device Classical {_mib(device_request)}, host "
-             f"{_mib(classical - device_request)} per request of "
-             f"{_count(args.tokens, 'token')}; device {_mib(device_request + state)} with "
-             f"the State and hot sets {_mib(state)}")
-    per_device = int(budget // (device_request + state))
-    over = _count(devices, "device")
-    _say(f"Requests of {_count(args.tokens, 'token')} in {budget / 2**30:g} GiB of cache per "
-         f"device ({_mib(device_request + state)} each on the device): data parallel over "
-         f"{over} {per_device:,} per device, {devices * per_device:,} in total; tensor "
-         f"parallel over {over} {per_device:,} in total (the one MQA latent and its indexer "
-         f"keys are replicated on every device, so each holds every request)")
-    if hot_rows and per_device:
-        host_request = pools.host_bytes_per_request(model, geometry)
-        _say(f"Host memory they need (HiSparse): {per_device:,} x {_mib(host_request)} of C4 "
-             f"entries = {_gib_text(per_device * host_request)} per device, "
-             f"{_gib_text(devices * per_device * host_request)} over the {over} (data "
-             "parallel); a host holds the sum over its devices")
-    if not per_device:
-        _say(f"Not one request fits: each needs {_mib(device_request + state)} on the device, "
-             f"more than --device-gib {budget / 2**30:g}")
-    return 0
-
-
 # Integer options: (lowest, highest or None). argparse checks them on the command line; `demo`
-# and `memory` check them again when called with a hand-made namespace.
+# checks them again when called with a hand-made namespace (`costs.BOUNDS`: `memory`'s).
 BOUNDS = {"lengths": (1, None), "decode_steps": (0, None), "chunk": (1, None),
           "pages": (1, None), "seed": (0, 2**32 - 1), "new_tokens": (1, None),
-          "vocab": (1, None), "tokens": (1, None), "hot_rows": (0, None), "devices": (1, None)}
+          "vocab": (1, None)}
 
 
 def _check_namespace(args, options: tuple[str, ...]) -> None:
@@ -457,23 +378,6 @@ def _int_option(lo: int, hi: int | None = None):
 
     parse.__name__ = "integer"
     return parse
-
-
-def _gib(text: str) -> float:
-    """An argparse `type` for --device-gib: a finite number of GiB > 0."""
-    try:
-        return checks.real("GiB", float(text), lo=0.0, lo_open=True)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of GiB > 0; got {text!r}") from None
-
-
-def _memory_problem(args) -> str | None:
-    """What is wrong with a combination of `v4kv memory` options."""
-    hot_rows, topk = getattr(args, "hot_rows", 0), cfg.PRESETS[args.preset]().index_topk
-    if hot_rows and hot_rows < topk:
-        return (f"--hot-rows: expected 0 or at least the {args.preset} preset's "
-                f"index_topk={topk}; got {hot_rows}")
-    return None
 
 
 def _demo_problem(args) -> str | None:
@@ -546,32 +450,7 @@ def _parser() -> argparse.ArgumentParser:
                         "compilation cache (default: the cache is on, in "
                         "JAX_COMPILATION_CACHE_DIR or ~/.cache/v4kv_jax/jax)")
     p.set_defaults(run=demo, problem=_demo_problem, parser=p)
-    p = sub.add_parser(
-        "memory", formatter_class=_HelpFormatter,
-        help="cache cost of a preset (flash, pro) at a context length, from the geometry alone",
-        description="The cache cost of a preset at a given context, computed from the geometry "
-                    "alone (nothing is allocated): Classical bytes per token and for the "
-                    "context, page padding, the State of a request, a dense cache for "
-                    "comparison, and how many such requests fit per device.")
-    p.add_argument("--preset", choices=sorted(cfg.PRESETS), default="flash",
-                   help="the model's attention geometry")
-    p.add_argument("--tokens", type=option["tokens"], default=1 << 20, metavar="N",
-                   help="context length of a request, in tokens")
-    p.add_argument("--formats", choices=tuple(cfg.FORMAT_SETS), default=None,
-                   help="storage formats (default: the preset's: release for flash and pro, "
-                        "float32 for tiny)")
-    p.add_argument("--hot-rows", type=option["hot_rows"], default=0, metavar="N",
-                   help="HiSparse: keep the C4 entries on the host and this many device rows "
-                        "per CSA layer and request (0: everything on the device)")
-    p.add_argument("--devices", type=option["devices"], default=1, metavar="N",
-                   help="devices of a data-parallel mesh (each holds its own requests)")
-    p.add_argument("--device-gib", type=_gib, default=64.0, metavar="GIB",
-                   help="memory per device left for the cache after weights and activations")
-    p.add_argument("--target", choices=sorted(targets.GENERATIONS), default=None,
-                   help="also the bytes of one request's cache as the TPU compiler lays them "
-                        "out on one chip of this generation, libtpu needed, no TPU (default: "
-                        "none, the bytes as stored only)")
-    p.set_defaults(run=memory, problem=_memory_problem, parser=p)
+    costs.add_parser(sub, _int_option, _HelpFormatter)
     kernel_check.add_parser(sub, _int_option, _HelpFormatter)
     return parser
 

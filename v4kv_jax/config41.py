@@ -175,4 +175,11 @@ def tiny41(**overrides) -> V41Config:
     return V41Config(**{**fields, **overrides})
 
 
-__all__ = ["FLASH41_RATIOS", "V41Config", "V41_RATIOS", "flash41", "tiny41"]
+# The V4.1 presets of `v4kv memory` and the storage they default to there (the names of
+# `pools.cache41.FORMAT_SETS41`: "release" is NVFP4 entries, MXFP4 keys, MXFP8 window rows).
+PRESETS41 = {"flash41": flash41}
+PRESET_FORMATS41 = {"flash41": "release"}
+
+
+__all__ = ["FLASH41_RATIOS", "PRESETS41", "PRESET_FORMATS41", "V41Config", "V41_RATIOS",
+           "flash41", "tiny41"]

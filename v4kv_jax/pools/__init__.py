@@ -5,6 +5,7 @@
   pools.transfers  pages and State in and out: attach, hold, drop, read and load pages,
                    snapshot and restore State (the host and disk tiers grow here)
   pools.report     inspection: slots, a slot's contents, bytes, the memory report
+                   (a V4.1 cache's: pools.report41)
 
 Every public name is also reachable as `pools.<name>`.
 
@@ -87,13 +88,14 @@ compiles once per geometry and never per length.
 """
 
 from v4kv_jax.config import LayerKind
-from v4kv_jax.pools import report, slots, transfers, tree
+from v4kv_jax.pools import report, report41, slots, transfers, tree
 from v4kv_jax.pools.cache41 import Cache41, init_cache41
 from v4kv_jax.pools.lanes import LaneMap, Lanes
 from v4kv_jax.pools.report import *  # noqa: F403
+from v4kv_jax.pools.report41 import *  # noqa: F403
 from v4kv_jax.pools.slots import *  # noqa: F403
 from v4kv_jax.pools.transfers import *  # noqa: F403
 from v4kv_jax.pools.tree import *  # noqa: F403
 
 __all__ = ["Cache41", "LaneMap", "Lanes", "LayerKind", "init_cache41", *tree.__all__,
-           *slots.__all__, *transfers.__all__, *report.__all__]
+           *slots.__all__, *transfers.__all__, *report.__all__, *report41.__all__]

@@ -12,6 +12,7 @@ import numpy as np
 from v4kv_jax import checks
 from v4kv_jax.config import AttentionConfig, CacheConfig
 from v4kv_jax.pools import storage
+from v4kv_jax.pools.cache41 import Cache41
 from v4kv_jax.pools.layout import compressor_specs
 from v4kv_jax.pools.layout import of as layout_of
 from v4kv_jax.pools.tree import (
@@ -197,18 +198,30 @@ def laid_out(model: AttentionConfig, geometry: CacheConfig, target: str = "v5e")
     `target` (a generation of `targets.GENERATIONS`, or a topology name such as "v6e:1x1"):
     a program that takes the cache is compiled for that chip (nothing is allocated; libtpu
     needed, `pip install "jax[tpu]"`)."""
+    fixed = layout_of(model, geometry)
+
+    def place(shapes):
+        for spec in fixed.specs:
+            if spec.name in fixed.host:  # placed in the chip's host memory, as on a TPU host
+                on_host_memory = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=x.sharding.with_memory_kind("pinned_host")),
+                    entries(shapes, spec))
+                shapes = tree_with_entries_unplaced(shapes, spec, on_host_memory)
+        return shapes
+
+    return laid_out_of(lambda: tree_init_cache(model, geometry), target, place)
+
+
+def laid_out_of(init, target: str = "v5e", place=None) -> LaidOut:
+    """`laid_out` of the cache `init()` returns (either family's; nothing is allocated):
+    `place` maps its abstract arrays on the chip to those moved to its host memory."""
     from v4kv_jax import programs, targets
 
     topology = targets.GENERATIONS.get(target, target)
     device = targets.tpu_devices(topology)[0]
-    shapes = targets.abstract(jax.eval_shape(lambda: tree_init_cache(model, geometry)), device)
-    fixed = layout_of(model, geometry)
-    for spec in fixed.specs:
-        if spec.name in fixed.host:  # placed in the chip's host memory, as on a TPU host
-            on_host_memory = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=x.sharding.with_memory_kind("pinned_host")),
-                entries(shapes, spec))
-            shapes = tree_with_entries_unplaced(shapes, spec, on_host_memory)
+    shapes = targets.abstract(jax.eval_shape(init), device)
+    if place is not None:
+        shapes = place(shapes)
     device_bytes, host = _bytes_by_memory(shapes)
     # A program that takes the cache and reads one element of each device array: the
     # arguments are laid out as any program's are, and it needs no memory of its own.
@@ -482,56 +495,71 @@ def state_logical_bytes_per_request(model: AttentionConfig, geometry: CacheConfi
     return total + 8
 
 
-def memory_report(cache: Cache, target: str | None = None) -> MemoryReport:
+def memory_report(cache: Cache | Cache41, target: str | None = None) -> MemoryReport:
     """The cache's `MemoryReport`; with `target` (a TPU generation such as "v5e", or a
     topology name) also the compiler's figures for the cache on one chip of it
-    (`laid_out`)."""
+    (`laid_out`). A `Cache41`'s: `report41.memory_report41`."""
+    if isinstance(cache, Cache41):
+        from v4kv_jax.pools.report41 import memory_report41
+
+        return memory_report41(cache, target)
     checks.alive("cache", cache)
     model, geo = cache.attn_config, cache.geometry
-    P = geo.page_tokens
-    lengths = np.asarray(cache.state.lengths, dtype=np.int64)
-    active = np.asarray(cache.state.status) != SlotStatus.FREE
-    refcount = np.asarray(cache.pages.refcount)
-    # Tokens each used page holds, each page once however many requests share it: a page in
-    # no live page-table row is a full page held outside them (e.g. by a prefix index).
-    held = np.where(refcount > 0, P, 0).astype(np.int64)
-    in_rows = np.zeros(geo.num_pages, np.int64)
-    table = np.asarray(cache.pages.page_table)
-    for s in np.nonzero(active)[0]:
-        for j, page in enumerate(table[s]):
-            if page >= 0:
-                in_rows[page] = max(in_rows[page], min(max(lengths[s] - j * P, 0), P))
-    listed = np.zeros(geo.num_pages, bool)
-    listed[table[active][table[active] >= 0]] = True
-    tokens = np.where(listed, in_rows, held)
+    tokens = page_tokens_held(cache)
     entry_bytes = sum(int(n * one * np.sum(tokens // spec.ratio))
                       for spec, n, one, _ in _entry_rows(model, geo))
     one_page = page_bytes(model, geo)
-    used = int(np.sum(refcount > 0))
-    classical, state = _bytes_by_memory(cache.classical), _bytes_by_memory(cache.state)
     return MemoryReport(
         classical_bytes_per_token=classical_bytes_per_token(model, geo),
         state_bytes_per_request=state_bytes_per_request(model, geo),
         page_bytes=one_page,
-        pages_total=geo.num_pages,
-        pages_used=used,
-        pages_free=int(cache.pages.num_free),
-        pages_shared=int(np.sum(refcount > 1)),
-        allocated_bytes=used * one_page,
         entry_bytes=entry_bytes,
-        state_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(cache.state))),
         device_bytes_per_token=device_bytes_per_token(model, geo),
-        device_bytes=dict(zip(("classical", "state"), (classical[0], state[0]), strict=True)),
-        host_bytes=dict(zip(("classical", "state"), (classical[1], state[1]), strict=True)),
-        slots_total=geo.max_slots,
-        slots_used=int(np.sum(active)),
-        request_tokens_max=geo.max_seq_len,
         host_bytes_per_request=host_bytes_per_request(model, geo),
         stored_bytes_per_token=stored_bytes_per_token(model, geo),
         page_logical_bytes=page_logical_bytes(model, geo),
         state_logical_bytes_per_request=state_logical_bytes_per_request(model, geo),
         laid_out=None if target is None else laid_out(model, geo, target),
+        **pool_counts(cache, one_page),
     )
+
+
+def page_tokens_held(cache) -> np.ndarray:
+    """int64[num_pages]: the tokens each page in use holds (a `Cache`'s or a `Cache41`'s),
+    each page once however many requests share it; a page in no live page-table row is a
+    full page held outside them (e.g. by a prefix index); a free page 0."""
+    P, pages = cache.geometry.page_tokens, cache.geometry.num_pages
+    lengths = np.asarray(cache.state.lengths, dtype=np.int64)
+    active = np.asarray(cache.state.status) != SlotStatus.FREE
+    refcount = np.asarray(cache.pages.refcount)
+    held = np.where(refcount > 0, P, 0).astype(np.int64)
+    in_rows = np.zeros(pages, np.int64)
+    table = np.asarray(cache.pages.page_table)
+    for s in np.nonzero(active)[0]:
+        for j, page in enumerate(table[s]):
+            if page >= 0:
+                in_rows[page] = max(in_rows[page], min(max(lengths[s] - j * P, 0), P))
+    listed = np.zeros(pages, bool)
+    listed[table[active][table[active] >= 0]] = True
+    return np.where(listed, in_rows, held)
+
+
+def pool_counts(cache, page_bytes: int) -> dict:
+    """The `MemoryReport` fields counted from a live cache (a `Cache`'s or a `Cache41`'s):
+    pages, slots, the bytes in use and of each pool's arrays by memory."""
+    geo = cache.geometry
+    refcount = np.asarray(cache.pages.refcount)
+    used = int(np.sum(refcount > 0))
+    classical, state = _bytes_by_memory(cache.classical), _bytes_by_memory(cache.state)
+    return dict(
+        pages_total=geo.num_pages, pages_used=used, pages_free=int(cache.pages.num_free),
+        pages_shared=int(np.sum(refcount > 1)), allocated_bytes=used * page_bytes,
+        state_bytes_total=int(sum(x.nbytes for x in jax.tree.leaves(cache.state))),
+        device_bytes=dict(zip(("classical", "state"), (classical[0], state[0]), strict=True)),
+        host_bytes=dict(zip(("classical", "state"), (classical[1], state[1]), strict=True)),
+        slots_total=geo.max_slots,
+        slots_used=int(np.sum(np.asarray(cache.state.status) != SlotStatus.FREE)),
+        request_tokens_max=geo.max_seq_len)
 
 
 def dense_cache_bytes_per_token(model: AttentionConfig, dtype: str = "float32") -> int:
