@@ -39,6 +39,7 @@ The library's programs, by name (`PROGRAMS`; the Generator makes one per instanc
                                                     the prefix cache's pool transfers
   batch.pad                pad a batch's arrays to a bucket (manager)
   nn.forward               one model call (`nn.forward`)
+  nn.forward41             one Decoder41 call (`nn.Decoder41.step`)
   engine.step              the Engine's step: replay, prefill and decode rows, sampling
   engine.penalty_row       a request's row of the step's penalty counts (its prompt's tokens)
   mesh.init_cache          an empty cache of a mesh, each device making its shard

@@ -5,7 +5,10 @@ The format is an 8-byte little-endian header length, a JSON header
 little-endian data. This reader memory-maps the file and copies out only the tensors asked
 for, so loading the attention weights of a shard never reads its MoE experts. bf16 and the
 fp8 formats of the official checkpoint (e4m3 weights, e8m0 scales) come back as `ml_dtypes`
-arrays, which numpy-only readers cannot produce.
+arrays, which numpy-only readers cannot produce. "F4" (e2m1, two values a byte, the even
+element in the low nibble, as torch's `float4_e2m1fn_x2` saves: the header's shape counts
+values, not bytes; DeepSeek-V4.1's fp4 weights) comes back unpacked as `float4_e2m1fn`, one
+value an element, in the header's shape.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ _DTYPES = {
     "I64": np.dtype(np.int64), "I32": np.dtype(np.int32), "I16": np.dtype(np.int16),
     "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
+# Dtypes of fewer than 8 bits: code -> (the unpacked numpy dtype, values a byte).
+_PACKED = {"F4": (np.dtype(ml_dtypes.float4_e2m1fn), 2)}
 
 
 class SafetensorsFile:
@@ -96,16 +101,19 @@ class SafetensorsFile:
         """A copy of tensor `name` as a numpy array of its stored dtype."""
         entry = self._entry(name)
         code = entry["dtype"]
-        if code not in _DTYPES:
+        if code not in _DTYPES and code not in _PACKED:
             self._fail(f"tensor {name!r} dtype", f"one of the dtypes this reader supports "
-                       f"{sorted(_DTYPES)}", code)
-        dtype = _DTYPES[code]
+                       f"{sorted([*_DTYPES, *_PACKED])}", code)
+        dtype = _DTYPES[code] if code in _DTYPES else _PACKED[code][0]
         begin, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
         if math.prod(shape) == 0:
             return np.zeros(shape, dtype)
         mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._data_start + begin,
                        shape=(end - begin,))
+        if code in _PACKED:  # the even value in the low nibble
+            nibbles = np.stack([mm & 0xF, mm >> 4], axis=-1).reshape(-1)
+            return nibbles[:math.prod(shape)].view(dtype).reshape(shape)
         return np.array(mm.view(dtype.newbyteorder("<")).reshape(shape), dtype=dtype)
 
     def _entry(self, name: str) -> dict:
@@ -135,11 +143,48 @@ def _check_entry(fail, name: str, entry, data_bytes: int) -> None:
     if offsets[1] > data_bytes:
         fail(f"{where} data_offsets", f"a byte range within the {data_bytes} data bytes after "
              "the header (is the file truncated?)", offsets)
-    if code in _DTYPES:
-        need = math.prod(shape) * _DTYPES[code].itemsize
+    if code in _DTYPES or code in _PACKED:
+        count = math.prod(shape)
+        need = (count * _DTYPES[code].itemsize if code in _DTYPES
+                else -(-count // _PACKED[code][1]))
         if offsets[1] - offsets[0] != need:
             fail(f"{where} byte count", f"{need} bytes (shape {tuple(shape)} of {code})",
                  f"{offsets[1] - offsets[0]} bytes (data_offsets {offsets})")
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -> None:
+    """Writes `tensors` to a .safetensors file in their own dtypes (every dtype `read`
+    returns, `float4_e2m1fn` packed as "F4"), so the reader reads them back bit for bit
+    (the `safetensors` package's numpy writer takes none of the ml_dtypes ones)."""
+    if not isinstance(path, (str, os.PathLike)):
+        checks.fail("path", "a str or os.PathLike", path, TypeError)
+    codes = {dtype: code for code, dtype in _DTYPES.items()}
+    codes.update({dtype: code for code, (dtype, _) in _PACKED.items()})
+    header, blobs, offset = {}, [], 0
+    for name, value in sorted(tensors.items()):
+        if not isinstance(name, str):
+            checks.fail("tensors", "a mapping of str names to arrays", repr(name), TypeError)
+        array = np.ascontiguousarray(value)
+        if array.dtype not in codes:
+            checks.fail(f"tensors[{name!r}]", f"an array of one of the dtypes "
+                        f"{sorted(map(str, codes))}", f"dtype {array.dtype}", TypeError)
+        code = codes[array.dtype]
+        if code in _PACKED:  # two values a byte, the even one in the low nibble
+            nibbles = array.reshape(-1).view(np.uint8) & 0xF
+            nibbles = np.concatenate([nibbles, np.zeros(nibbles.size % 2, np.uint8)])
+            blob = (nibbles[0::2] | (nibbles[1::2] << 4)).tobytes()
+        else:
+            blob = array.astype(array.dtype.newbyteorder("<")).tobytes()
+        header[name] = {"dtype": code, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(os.fspath(path), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for blob in blobs:
+            f.write(blob)
 
 
 def _is_count(value) -> bool:
