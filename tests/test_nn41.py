@@ -359,10 +359,11 @@ def test_loading_errors_name_the_tensor(tmp_path, model):
         interop.read_attention41(path, CONFIG, layers=[0])
     with pytest.raises(ValueError, match=r"layers: expected layer indices in \[0, 6\)"):
         interop.read_attention41(path, CONFIG, layers=[6])
-    with pytest.raises(interop.CheckpointError, match=r"params of layer 5 \(Reindex, ratio 1\) "
-                                                      r"must be exactly"):
+    with pytest.raises(interop.CheckpointError,
+                       match=r"params for the layer \(layer 5, Reindex, ratio 1\) must be"):
         interop.load_attention41(model, {**params, "indexer.wk": np.zeros((32, 64))}, layer=5)
-    with pytest.raises(interop.CheckpointError, match=r"wo_a of layer 5 has shape \(4, 4\)"):
+    with pytest.raises(interop.CheckpointError,
+                       match=r"wo_a \(layer 5, Reindex, ratio 1\) has shape \(4, 4\)"):
         interop.load_attention41(model, {**params, "wo_a": np.zeros((4, 4))}, layer=5)
     with pytest.raises(ValueError, match=r"layer: expected a layer index in \[0, 6\)"):
         interop.load_attention41(model, params)

@@ -118,8 +118,9 @@ def read_attention(location, config: AttentionConfig, layout: str | None = None,
     return out
 
 
-def _layer_list(layers, config: AttentionConfig) -> list[int]:
-    """`layers` as a non-empty list of layer indices of `config`; raises naming it otherwise."""
+def _layer_list(layers, config) -> list[int]:
+    """`layers` as a non-empty list of layer indices of `config` (an AttentionConfig or a
+    V41Config); raises naming it otherwise."""
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
         checks.fail("layers", "an iterable of layer indices", layers, TypeError)
     layers = list(layers)

@@ -37,7 +37,13 @@ import numpy as np
 from v4kv_jax import checks, plan
 from v4kv_jax.config41 import V41Config
 from v4kv_jax.interop import names41
-from v4kv_jax.interop.convert import CheckpointError, _float_array, _is_float, _mapping
+from v4kv_jax.interop.checkpoint import _layer_list
+from v4kv_jax.interop.convert import (
+    CheckpointError,
+    _float_array,
+    _mapping,
+    check_layer_params,
+)
 from v4kv_jax.interop.names import index
 from v4kv_jax.interop.safetensors_io import SafetensorsFile, save_tensors, shard_files
 from v4kv_jax.nn.attention41 import V41Attention
@@ -198,22 +204,6 @@ def read_attention41(location, config: V41Config, layers: Iterable[int] | None =
     return out
 
 
-def _layer_list(layers, config: V41Config) -> list[int]:
-    """`layers` as a non-empty list of layer indices of `config`; raises naming it otherwise."""
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
-        checks.fail("layers", "an iterable of layer indices", layers, TypeError)
-    layers = list(layers)
-    if not layers:
-        checks.fail("layers", "at least one layer index (None reads every layer)", layers)
-    for i in layers:
-        index("layers", i, lo=None)
-    bad = sorted({int(i) for i in layers if not 0 <= i < config.num_layers})
-    if bad:
-        checks.fail("layers", f"layer indices in [0, {config.num_layers}) (the config's "
-                    f"{config.num_layers} layers)", bad)
-    return [int(i) for i in layers]
-
-
 def _attention(target, layer) -> V41Attention:
     """The `V41Attention` of a V41Attention (layer None) or of a Decoder41's layer."""
     if isinstance(target, Decoder41):
@@ -234,23 +224,9 @@ def check_params41(params: Mapping[str, object], config: V41Config, layer: int,
                    where: str = "") -> None:
     """Raises CheckpointError unless `params` holds exactly layer `layer`'s paths, each a
     float array of its shape."""
-    at = f" ({where})" if where else ""
-    _mapping("params", params)
-    shapes = names41.expected_shapes41(config, layer)
-    missing, unknown = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
-    if missing or unknown:
-        raise CheckpointError(f"params of layer {layer} ({_mode(config, layer)}){at} must be "
-                              f"exactly {sorted(shapes)}; missing {missing}, unknown {unknown}")
-    for path, value in params.items():
-        dtype = getattr(value, "dtype", None)
-        if dtype is None or not hasattr(value, "shape"):
-            value = _float_array(f"{path} of layer {layer}{at}", value, CheckpointError)
-        elif not _is_float(dtype):
-            checks.fail(f"{path} of layer {layer}{at}", "a floating-point array", f"dtype {dtype}",
-                        CheckpointError)
-        if tuple(np.shape(value)) != tuple(shapes[path]):
-            raise CheckpointError(f"{path} of layer {layer}{at} has shape "
-                                  f"{tuple(np.shape(value))}; expected {tuple(shapes[path])}")
+    context = f"layer {layer}, {_mode(config, layer)}" + (f", {where}" if where else "")
+    check_layer_params(params, names41.expected_shapes41(config, layer), "the layer",
+                       where=context)
 
 
 def load_attention41(target, params: Mapping[str, np.ndarray], *, layer: int | None = None

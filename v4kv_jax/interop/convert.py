@@ -220,15 +220,17 @@ def param_at(module, path: str):
 
 
 def check_layer_params(params: Mapping[str, object], shapes: Mapping[str, tuple[int, ...]],
-                       kind: LayerKind, where: str = "") -> None:
-    """Raises CheckpointError unless `params` has exactly the paths of `shapes`, each with its
-    shape."""
+                       kind: LayerKind | str, where: str = "") -> None:
+    """Raises CheckpointError unless `params` has exactly the paths of `shapes`, each a float
+    array of its shape. `kind`: the layer's kind, or the words that name the layer (a V4.1
+    layer: "layer 5 (Reindex, ratio 1)"), in the messages with `where`."""
     at = f" ({where})" if where else ""
+    what = kind if isinstance(kind, str) else f"a {LayerKind(kind).name} layer"
     _mapping("params", params)
     missing, unknown = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
     if missing or unknown:
         raise CheckpointError(
-            f"params for a {LayerKind(kind).name} layer{at} must be exactly {sorted(shapes)}; "
+            f"params for {what}{at} must be exactly {sorted(shapes)}; "
             f"missing {missing}, unknown {unknown}")
     for path, value in params.items():
         dtype = getattr(value, "dtype", None)
