@@ -234,3 +234,58 @@ def test_pools_hold_only_the_sources_in_lane_rows():
     # 64 values: 32 B of e2m1 + 4 e4m3 scales; 32 key values: 16 B + 1 UE8M0 scale, in whole
     # words (at V4.1-Flash's widths 288 and 68 B: whole words already).
     assert (cache.codec("entries").row_bytes, cache.codec("keys").row_bytes) == (36, 20)
+
+
+def _slot_state(cache, slot: int, length: int) -> list[np.ndarray]:
+    """What a slot holds, as stored words: every source's entries and keys of its first
+    `length` tokens, its window rings and open rows."""
+    config = cache.config
+    out = []
+    for s in config.kv_source_layers:
+        per_page = cache.geometry.page_tokens // config.compress_ratios[s]
+        j = np.arange(length // config.compress_ratios[s])
+        page = np.asarray(cache.pages.page_table[slot])[j // per_page]
+        for name in ("entries", "keys"):
+            out.append(np.asarray(cache41.source_store(cache, name, s).take((page,),
+                                                                         j % per_page)))
+    out.append(np.asarray(cache41.window41(cache).records()[:, slot]))
+    out.append(np.asarray(cache41.open_rows(cache).records()[:, slot]))
+    return [x.view(np.uint32) for x in out]
+
+
+@pytest.mark.xla_defaults  # two programs (decode and a chunk): their bits as users compile
+def test_prefill_leaves_the_state_token_by_token_decode_leaves_bit_for_bit():
+    """Entries, index keys, window rings and the ratio-2 open row of a sequence fed in
+    chunks with odd starts equal, word for word, those of the same tokens fed one by one
+    through `decode_step41` (the compressors are chunk-invariant; the window rows are each
+    token's own). float32 storage: a release record is a function of these values."""
+    formats = "float32"
+    stack = cases.stack_of(T1)
+    inputs = oracle.random_inputs(stack, 21, seed=21)
+    chunked = pools.reset_slot(_cache(T1, formats), 1)
+    chunked, _, _ = _run(chunked, T1, inputs, 1, (5, 16))
+    stepped = pools.reset_slot(_cache(T1, formats, slots=2), 1)
+    for t in range(21):
+        vec, w = cases.chunk(T1, inputs, t, t + 1)
+        vec = [jax.tree.map(lambda x: jnp.concatenate([jnp.full_like(x, jnp.nan), x]), v)
+               for v in vec]
+        stepped, _ = step41.decode_step41(stepped, vec, w)
+    for a, b in zip(_slot_state(chunked, 1, 21), _slot_state(stepped, 1, 21), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_flash_plan_at_tiny_widths_equals_the_oracle():
+    """T6: V4.1-Flash's 40 backbone layers (sources 2, 8, 14, 20, index sources to 36,
+    candidates from 20), window 8, the tiny widths, 80 tokens in chunks: every layer's
+    outputs, the four sources' entries and keys."""
+    config = v4.flash41(**{f: getattr(T1, f) for f in (
+        "hidden_size", "num_heads", "head_dim", "rope_dim", "q_lora_rank", "o_groups",
+        "o_lora_rank", "index_heads", "index_head_dim", "yarn_original_max_position")},
+        window=8, candidate_topk_blocks=4, candidate_block_size=2, index_topk=6)
+    stack = cases.stack_of(config)
+    inputs = oracle.random_inputs(stack, 80, seed=6)
+    ref = oracle.run(stack, inputs)
+    cache = pools.reset_slot(_cache(config), 1)
+    cache, outs, picks = _run(cache, config, inputs, 1, (16,) * 5)
+    _check(config, ref, outs, picks)
+    _stored(cache, config, ref, 1, 80)
