@@ -236,3 +236,12 @@ def test_scatter_names_a_bad_op_and_a_float_add():
         programs.scatter(table, jnp.asarray([1]), 1, op="min")
     with pytest.raises(TypeError, match="table.*integers.*float32"):
         programs.scatter(jnp.zeros((4,)), jnp.asarray([1]), 1.0, op="add")
+
+
+def test_lookup_names_a_bad_table_and_index():
+    with pytest.raises(TypeError, match="index: expected an array of integer dtype"):
+        programs.lookup(jnp.arange(3), jnp.array([0.5]))
+    with pytest.raises(ValueError, match=r"table: expected an array of at least 1 dims"):
+        programs.lookup(jnp.zeros(()), jnp.array([0]))
+    with pytest.raises(ValueError, match=r"index: expected a leading batch dim of 2"):
+        programs.lookup(jnp.zeros((2, 3)), jnp.array([0, 1, 1]), batched=True)

@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -367,8 +368,16 @@ def lookup(table, index, *, batched: bool = False):
       [*ix, *rest], or `batched` [B, *ix, *rest].
     """
     axis = 1 if batched else 0
-    rows = table.shape[axis]
+    shape = tuple(getattr(table, "shape", ()))
+    if len(shape) <= axis:
+        rows = "rows after the batch" if batched else "rows"
+        checks.fail("table", f"an array of at least {axis + 1} dims ({rows})", f"shape {shape}")
     index = jnp.asarray(index)
+    checks.dtype_kind("index", index, "integer")
+    if batched and (index.ndim < 1 or index.shape[0] != table.shape[0]):
+        checks.fail("index", f"a leading batch dim of {table.shape[0]} (batched)",
+                    f"shape {index.shape}")
+    rows = table.shape[axis]
     index = jnp.clip(jnp.where(index < 0, index + rows, index), 0, rows - 1)
 
     def gather(table, index):
@@ -377,7 +386,7 @@ def lookup(table, index, *, batched: bool = False):
         b = jnp.arange(table.shape[0]).reshape((-1,) + (1,) * (index.ndim - 1))
         return table[b, index]
 
-    touched = index.size * rows * max(1, table[(0,) * (axis + 1)].size)
+    touched = index.size * rows * max(1, math.prod(table.shape[axis + 1:]))
     if touched > _SELECT_BUDGET or table.dtype == jnp.bool_:
         return gather(table, index)
     return platform_dependent(table, index, tpu=functools.partial(
