@@ -289,3 +289,31 @@ def test_the_flash_plan_at_tiny_widths_equals_the_oracle():
     cache, outs, picks = _run(cache, config, inputs, 1, (16,) * 5)
     _check(config, ref, outs, picks)
     _stored(cache, config, ref, 1, 80)
+
+
+def test_real_record_sizes_with_the_candidate_cut():
+    """T5: V4.1-Flash's widths (hd 512, rope 64, 32 index heads of 128, top-512, candidate
+    blocks of 8) in three ratio-1 layers (a kv source that is the candidate source, a Reuse
+    layer, a Reindex layer with candidates), 72 candidate blocks of 138 cut, 1100 tokens in
+    the release records (528 / 288 / 68 B), against the oracle with the same fake
+    quantisation."""
+    config = v4.flash41(hidden_size=256, num_heads=8, o_groups=8, q_lora_rank=64,
+                        o_lora_rank=16, compress_ratios=(1, 1, 1), kv_source_layers=(0,),
+                        index_source_layers=(0, 2), candidate_source_layer=0,
+                        candidate_topk_blocks=72)
+    stack = cases.stack_of(config)
+    inputs = oracle.random_inputs(stack, 1100, seed=5)
+    ref = oracle.run(stack, inputs, quantize=True)
+    geometry = cache41.cache_config41("release", num_pages=9, max_slots=1, max_pages_per_seq=9)
+    cache = pools.reset_slot(cache41.init_cache41(config, geometry), 0)
+    outs, picks = [[] for _ in inputs], {i: [] for i in config.index_source_layers}
+    for lo in range(0, 1100, 100):
+        vec, w = cases.chunk(config, inputs, lo, lo + 100)
+        cache, out = step41.prefill41(cache, vec, w, [0], [100])
+        for layer, o in enumerate(out.outputs):
+            outs[layer].append(np.asarray(o[0]))
+        for i, (ids, valid) in zip(config.index_source_layers, out.picks, strict=True):
+            picks[i] += [np.asarray(ids[0, t])[np.asarray(valid[0, t])] for t in range(100)]
+    _check(config, ref, [np.concatenate(o) for o in outs], picks)
+    assert cache.codec("entries").row_bytes == 288 and cache.codec("keys").row_bytes == 68
+    assert cache.codec("window").row_bytes == 528
