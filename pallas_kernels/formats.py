@@ -12,6 +12,12 @@ no fp8 / fp4 dtypes, so they lower on Mosaic TPU and Triton GPU alike):
                 scale byte per block; S = nope / 4 + r / 2 + ceil(nb / 4) words.
   "fp4_index"   c dims of the Hadamard-rotated key: e2m1 nibbles (dim 8 w + j in bits 4 j of
                 word w), then one ue8m0 scale byte per block of 32; S = c / 8 + ceil(nb / 4).
+  "nvfp4"       V4.1's entries (`v4kv_jax.pools.records41`): e2m1 nibbles of every dim as
+                "fp4_index" holds them, then one e4m3 scale byte per block of 16;
+                S = width / 8 + width / 64.
+  "mxfp8"       V4.1's window rows: e4m3 codes of every dim as "fp8_latent" holds its nope
+                dims, then one ue8m0 scale byte per block of 32; S = width / 4 + width / 128.
+                The kernels read these two (`decode_tpu`); none writes them.
   "float32"     the row as it is, one value a word.
   "bfloat16", "float16"
                 two values a word: value 2 i in the low half of word i, 2 i + 1 in the high
@@ -71,7 +77,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.common import MIN_DOT, next_power_of_two
 
-PACKED = ("fp8_latent", "fp4_index")
+# V4.1's records (`v4kv_jax.pools.records41`), read by the kernels (not written): codes of every
+# dim in blocks, no RoPE tail; "nvfp4" e2m1 nibbles with e4m3 block scales, "mxfp8" e4m3
+# bytes with ue8m0 block scales.
+RECORDS41 = ("nvfp4", "mxfp8")
+PACKED = ("fp8_latent", "fp4_index") + RECORDS41
+# Dims per scale block, and which formats hold e4m3 codes (a byte a dim; else e2m1 nibbles).
+BLOCK = {"fp8_latent": 64, "fp4_index": 32, "nvfp4": 16, "mxfp8": 32}
+E4M3_CODES = ("fp8_latent", "mxfp8")
 FP8_BLOCK, FP8_MAX = 64, 448.0
 FP4_BLOCK, FP4_MAX = 32, 6.0
 FP8_AMAX_FLOOR = np.float32(1e-4)
@@ -148,6 +161,11 @@ class Layout:
             if self.width < FP4_BLOCK or self.width & (self.width - 1):
                 raise ValueError(f"fp4_index needs a power-of-two width >= {FP4_BLOCK}; got "
                                  f"width={self.width}")
+        elif self.fmt in RECORDS41:
+            if self.rope_dim or self.width <= 0 or self.width % BLOCK[self.fmt]:
+                raise ValueError(f"{self.fmt} needs a width that is a positive multiple of "
+                                 f"{BLOCK[self.fmt]} and no rope_dim; got width={self.width}, "
+                                 f"rope_dim={self.rope_dim}")
         elif self.fmt not in FLOATS:
             raise ValueError(f"fmt={self.fmt!r}: expected one of {FLOATS + PACKED}")
         if self.backend not in ("tpu", "gpu"):
@@ -183,12 +201,12 @@ class Layout:
     @property
     def code_words(self) -> int:
         """Words of codes at the start of a row."""
-        return self.nope // 4 if self.fmt == "fp8_latent" else self.width // 8
+        return self.nope // self.per_word
 
     @property
     def blocks(self) -> int:
         """Scale blocks per row."""
-        return self.nope // FP8_BLOCK if self.fmt == "fp8_latent" else self.width // FP4_BLOCK
+        return self.nope // BLOCK[self.fmt]
 
     @property
     def scale_word(self) -> int:
@@ -207,7 +225,8 @@ class Layout:
 
     @property
     def per_word(self) -> int:
-        return {"fp8_latent": 4, "fp4_index": 8, "bfloat16": 2, "float16": 2}.get(self.fmt, 1)
+        return {"fp8_latent": 4, "fp4_index": 8, "nvfp4": 8, "mxfp8": 4, "bfloat16": 2,
+                "float16": 2}.get(self.fmt, 1)
 
     @property
     def n_planes(self) -> int:
@@ -215,7 +234,7 @@ class Layout:
 
     @property
     def words_per_block(self) -> int:
-        return (FP8_BLOCK if self.fmt == "fp8_latent" else FP4_BLOCK) // self.per_word
+        return BLOCK[self.fmt] // self.per_word
 
     @property
     def plane_width(self) -> int:
@@ -519,14 +538,20 @@ def scale_byte(amax: jax.Array, fmax: float, floor) -> jax.Array:
 
 # --- decoders --------------------------------------------------------------------------------
 
+def _no_records41(lay: Layout, name: str) -> None:
+    if lay.fmt in RECORDS41:
+        raise ValueError(f"{name}: {lay.fmt} rows are read by the TPU kernels only "
+                         f"(decode_tpu)")
+
+
 def _in(lane, lo: int, hi: int):
     return (lane >= lo) & (lane < hi)
 
 
 def code_values(lay: Layout, words: jax.Array, j: int) -> jax.Array:
-    """f32 values (before their block scale) of the codes of plane j: byte j (fp8_latent) or
-    nibble j (fp4_index) of every word."""
-    if lay.fmt == "fp8_latent":
+    """f32 values (before their block scale) of the codes of plane j: byte j (fp8_latent,
+    mxfp8) or nibble j (fp4_index, nvfp4) of every word."""
+    if lay.fmt in E4M3_CODES:
         return e4m3_value((words >> 8 * j) & 0xFF)
     return e2m1_value((words >> 4 * j) & 15)
 
@@ -555,8 +580,9 @@ def _in_slot_zero(part: Part, words: jax.Array, slot) -> jax.Array:
 
 
 def _scale_bytes_of(lay: Layout, words) -> list[jax.Array]:
-    """Per scale block b, the ue8m0 byte of each row (f32 [n, 1], an integer): byte b % 4
-    of the row's word scale_word + b // 4, wherever its part (moved to slot 0) holds it."""
+    """Per scale block b, the scale byte (ue8m0; nvfp4: e4m3) of each row (f32 [n, 1], an
+    integer): byte b % 4 of the row's word scale_word + b // 4, wherever its part (moved to
+    slot 0) holds it."""
     out = []
     for b in range(lay.blocks):
         col = lay.scale_word + b // 4
@@ -587,7 +613,8 @@ def decode_tpu(lay: Layout, tiles, slots=None) -> list[jax.Array]:
              else t for part, t, slot in zip(lay.parts, tiles, slots, strict=True)]
     per_part = []
     if lay.packed:
-        scales = [scale_value(b.astype(jnp.int32)) for b in _scale_bytes_of(lay, words)]
+        scale_of = e4m3_value if lay.fmt == "nvfp4" else scale_value
+        scales = [scale_of(b.astype(jnp.int32)) for b in _scale_bytes_of(lay, words)]
     for part, w in zip(lay.parts, words, strict=True):
         lane = lax.broadcasted_iota(jnp.int32, w.shape, 1)
         valid, word = lane < part.words, part.first + lane
@@ -762,6 +789,7 @@ def decode_gpu(lay: Layout, load) -> list[jax.Array]:
 
     Lanes that hold no dim (`Layout.lane_dims` -1) are 0 in every plane.
     """
+    _no_records41(lay, "decode_gpu")
     lane = lax.broadcasted_iota(jnp.int32, (1, lay.plane_width), 1)
     if lay.fmt == "float32":
         return [load(lane, 0, lay.width - 1).astype(_F32)]
@@ -869,6 +897,7 @@ def encode_tpu(lay: Layout, x: jax.Array, part: Part | None = None) -> jax.Array
     to nearest even; float32 rows as they are): [G, stored_width], or with `part` the part's
     words at lanes [0, part.words) of [G, part.lanes] (0 on the other lanes). uint32, or
     float32 for "float32" rows."""
+    _no_records41(lay, "encode_tpu")
     g, width = x.shape[0], lay.width
     first, count = (0, lay.stored_width) if part is None else (part.first, part.words)
     cols = lay.stored_width if part is None else part.lanes
@@ -970,6 +999,7 @@ def gpu_encoder_planes(lay: Layout) -> tuple[tuple[int, int, int], ...]:
     float formats: the even and the odd dims (each other's RoPE partners; a 16-bit word
     holds one of each).
     """
+    _no_records41(lay, "gpu_encoder_planes")
     if lay.fmt == "fp8_latent":
         wpb = lay.words_per_block
         planes = [(FP8_BLOCK * b + j, 4, wpb) for b in range(lay.blocks) for j in range(4)]
@@ -1038,6 +1068,7 @@ def encode_gpu(lay: Layout, planes, groups=None) -> list[tuple[int, int, jax.Arr
       Segments (first word, stride, int32 words [G, L], n): lane l < n of the words is row
       word first + stride * l (L, a power of two, may exceed n).
     """
+    _no_records41(lay, "encode_gpu")
     lanes_of = gpu_encoder_planes(lay) if groups is None else tuple(groups)
     if len(planes) != len(lanes_of):
         raise ValueError(f"encode_gpu: {lay.fmt} takes {len(lanes_of)} planes; got "

@@ -260,7 +260,7 @@ IMPLEMENTATIONS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 # The ops with a Pallas kernel (`v4kv_jax.ops`): the keys of `Options.block_sizes`.
 KERNEL_OPS = ("emit_entries", "emit_entries_online", "index_scores", "sparse_decode_attention",
-              "dense_decode_attention")
+              "dense_decode_attention", "sparse_decode41")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from v4kv_jax import append, checks, plan, pools, programs, rope
+from v4kv_jax import append, checks, ops, plan, pools, programs, rope
 from v4kv_jax.config import Options, options_or_default
 from v4kv_jax.ops import compressor41, indexer41
 from v4kv_jax.pools import cache41, paging
@@ -307,7 +307,8 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
       bf16_latent: as `prefill41`.
       options: `Options.query_tile` queries are scored and attended at once, and the index
         keys decoded `Options.index_read_entries` at a time (they bound memory, not
-        results); the V4.1 ops run the reference (its kernels are to come).
+        results); a decode step's (T = 1) sparse reads run `ops.sparse_decode41`'s kernel
+        where `Options.implementation` chooses it (`ops.choices`), else the step's own read.
 
     Returns:
       (cache, chunk, f32[B, T, H, hd] attention outputs before the output projection; zeros
@@ -341,18 +342,39 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
     ids, valid = (chunk.picks[p.picks] if sparse
                   else (jnp.zeros(none, jnp.int32), jnp.zeros(none, bool)))
 
-    def tile_attend(q, t, ids, valid):
-        t = t[..., None]
+    def tile_read(q, t, ids, valid):  # rotated queries; the output before the inverse RoPE
         ok = stored[:, None, :] & (key_pos[:, None, :] <= t) & (key_pos[:, None, :] > t - W)
         key_sets = [(window, ok)]
         if sparse:
             picked = _picked(cache, p.entries, chunk.pages, ids)
             key_sets.append((jnp.where(valid[..., None], picked, 0.0), valid))
-        q = rope.rotate(q.astype(jnp.float32), t, freqs)
-        return rope.rotate(_attend(q, weights.sink, key_sets), t, freqs, inverse=True)
+        return _attend(q, weights.sink, key_sets)
 
-    out = _by_tiles(tile_attend, options.query_tile, vectors.q, positions, ids, valid)
+    def tile_attend(q, t, ids, valid):
+        t = t[..., None]
+        q = rope.rotate(q.astype(jnp.float32), t, freqs)
+        return rope.rotate(tile_read(q, t, ids, valid), t, freqs, inverse=True)
+
+    if sparse and positions.shape[1] == 1 and _read_by_kernel(cache, options):
+        t = positions[..., None]
+        q = rope.rotate(vectors.q.astype(jnp.float32), t, freqs)
+        o = ops.sparse_decode41(
+            config, cache.geometry, options, window=cache41.window41(cache), layer=p.layer,
+            slot_ids=chunk.slots, q_pos=ap.start,
+            entries=cache41.source_store(cache, "entries", p.entries), ids=ids[:, 0],
+            valid=valid[:, 0], page_rows=chunk.pages, q=q[:, 0], sink=weights.sink,
+            reference=lambda: tile_read(q, t, ids, valid)[:, 0])
+        out = rope.rotate(o[:, None], t, freqs, inverse=True)
+    else:
+        out = _by_tiles(tile_attend, options.query_tile, vectors.q, positions, ids, valid)
     return cache, chunk, jnp.where(chunk.real[..., None, None], out, 0.0)
+
+
+def _read_by_kernel(cache: Cache41, options: Options) -> bool:
+    """Whether some platform runs the decode read's kernel (`ops.sparse_decode41`) under
+    `options` (then the op is called, with the step's own read where no kernel runs)."""
+    return any(c.implementation != "reference" for c in ops.choices(
+        "sparse_decode41", cache.config, cache.geometry, options).values())
 
 
 def end41(cache: Cache41, chunk: Chunk41) -> Cache41:

@@ -38,10 +38,15 @@ from pallas_kernels.sparse_attention.blocks import BlockSizes
 
 
 def supported(model, geometry, spec=None) -> str | None:
-    """Why this GPU kernel cannot run a config, or None: it reads every storage format (words
-    gathered where the lane maps put them, decoded in registers), but a key row and the
-    window are Triton tensors (powers of two)."""
-    del geometry, spec
+    """Why this GPU kernel cannot run a config, or None: it reads V4's storage formats
+    (words gathered where the lane maps put them, decoded in registers), not V4.1's nvfp4
+    entries or mxfp8 window, and a key row and the window are Triton tensors (powers of
+    two)."""
+    del spec
+    for field in ("entry_dtype", "window_dtype"):
+        fmt = getattr(geometry, field)
+        if fmt in formats.RECORDS41:
+            return f"{field}={fmt!r} is decoded by the TPU kernel only"
     return power_of_two_problem(head_dim=model.head_dim, window=model.window)
 
 
@@ -129,3 +134,17 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
         kernel, scalars, groups, q, window, c4, sink, q_pos, lane_freq, heads_per_block=bh,
         num_splits=splits, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
         name="v4kv_csa_sparse_decode_attention_gpu")
+
+
+def sparse_decode41(q, sink, window, window_layer, slot_ids, q_pos, entries, page_rows, ids,
+                    valid, *, block_sizes: BlockSizes | None = None, interpret: bool = False,
+                    entry_format: str = "float32", window_format: str = "float32",
+                    entry_lanes=(), window_lanes=()):
+    """Same contract as `pallas_kernels.sparse_attention.tpu.sparse_decode41` (float rows
+    only, see `supported`)."""
+    return sparse_decode_attention(
+        q, sink, window, window_layer, slot_ids, q_pos, q_pos + 1,
+        tuple(x[None] for x in entries), 0, page_rows, jnp.where(valid, ids, -1),
+        jnp.zeros((1,), jnp.float32), block_sizes=block_sizes, interpret=interpret,
+        entry_format=entry_format, window_format=window_format, entry_lanes=entry_lanes,
+        window_lanes=window_lanes)

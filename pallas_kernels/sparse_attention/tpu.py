@@ -121,12 +121,13 @@ def _kernel(layers_ref, q_pos_ref, kv_end_ref, slot_ref, table_ref, picks_ref, b
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret", "entry_format",
                                              "window_format", "rope_dim", "entry_lanes",
-                                             "window_lanes"))
+                                             "window_lanes", "name"))
 def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_end, c4,
                             c4_layer, page_rows, picks, inv_freq, *,
                             block_sizes: BlockSizes | None = None, interpret: bool = False,
                             entry_format: str = "float32", window_format: str = "float32",
-                            rope_dim: int = 0, entry_lanes=(), window_lanes=()):
+                            rope_dim: int = 0, entry_lanes=(), window_lanes=(),
+                            name: str = "v4kv_csa_sparse_decode_attention"):
     """One decode query per slot over its window and its top-k C4 entries.
 
     Args:
@@ -140,10 +141,11 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
         page is absent counts as none).
       inv_freq: f32[r // 2], the RoPE frequencies of the layer kind (`rope.inv_frequencies`).
       entry_format, window_format: storage formats of c4 and of the window ("float32",
-        "bfloat16", "float16" or "fp8_latent": words decoded in the kernel); rope_dim: r,
-        the RoPE dims of fp8_latent rows.
+        "bfloat16", "float16", "fp8_latent", or V4.1's "nvfp4" / "mxfp8": words decoded
+        in the kernel); rope_dim: r, the RoPE dims of fp8_latent rows.
       entry_lanes, window_lanes: where the rows of c4 and of the window live (static:
         `v4kv_jax.pools.lanes.LaneMap.spec`).
+      name: the pallas_call's name.
 
     Returns:
       f32[B, H, hd], de-rotated by -q_pos.
@@ -189,7 +191,7 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
         out_shape=tpu_pipeline.output_shape(batch, heads, dim),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=tpu_interpret(interpret),
-        name="v4kv_csa_sparse_decode_attention",
+        name=name,
         cost_estimate=cost_estimate(
             flops=4 * batch * heads * dim * (topk + window_len),
             transcendentals=batch * heads * (topk + window_len),
@@ -199,3 +201,33 @@ def sparse_decode_attention(q, sink, window, window_layer, slot_ids, q_pos, kv_e
       page_rows.astype(jnp.int32).reshape(-1), picks.reshape(-1), blocks,
       *tpu_pipeline.query_window_inputs(groups, q, lane_freq, sink), *in_hbm(window),
       *in_hbm(c4))
+
+
+def sparse_decode41(q, sink, window, window_layer, slot_ids, q_pos, entries, page_rows, ids,
+                    valid, *, block_sizes: BlockSizes | None = None, interpret: bool = False,
+                    entry_format: str = "float32", window_format: str = "float32",
+                    entry_lanes=(), window_lanes=()):
+    """DeepSeek-V4.1's decode read (`v4kv_jax.ops.attention41.sparse_decode41`): the V4 read
+    above on V4.1's stores. The ring holds the query's own row (kv_end = q_pos + 1); the
+    kv source's entries are one stack of pages (a leading dim of 1 added); the output stays
+    rotated (zero RoPE frequencies: the caller applies V4.1's inverse RoPE).
+
+    Args:
+      q: f32[B, H, hd] queries (RoPE applied); sink: f32[H].
+      window: the window rings' planes [num_layers, max_slots, rows, lanes] each;
+        window_layer: the layer.
+      slot_ids, q_pos: i32[B] slot and query position per row.
+      entries: the kv source's entries' planes [num_pages, rows, lanes] each.
+      page_rows: i32[B, max_pages_per_seq]; ids: i32[B, K] entry ids; valid: bool[B, K].
+      entry_format, window_format: "float32", "bfloat16", "float16", "nvfp4" (entries) or
+        "mxfp8" (window); entry_lanes, window_lanes: their `LaneMap.spec`.
+
+    Returns:
+      f32[B, H, hd], not de-rotated.
+    """
+    return sparse_decode_attention(
+        q, sink, window, window_layer, slot_ids, q_pos, q_pos + 1,
+        tuple(x[None] for x in entries), 0, page_rows, jnp.where(valid, ids, -1),
+        jnp.zeros((1,), jnp.float32), block_sizes=block_sizes, interpret=interpret,
+        entry_format=entry_format, window_format=window_format, entry_lanes=entry_lanes,
+        window_lanes=window_lanes, name="v4kv_sparse_decode41")

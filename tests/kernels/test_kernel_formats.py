@@ -282,3 +282,21 @@ def test_gpu_decode_reads_lane_dense_blocks(fmt, width, rope_dim, records):
         assert all(p.shape[-1] & (p.shape[-1] - 1) == 0 for p in planes)  # Triton shapes
     _assert_same_bits(formats.from_planes(lay, jnp.stack(planes, axis=-2)),
                       np.asarray(want)[order])
+
+
+# V4.1's records, read by the TPU kernels: Flash's widths and tiny41's.
+RECORDS41 = [("nvfp4", 512), ("nvfp4", 64), ("mxfp8", 512), ("mxfp8", 64)]
+
+
+@pytest.mark.parametrize("fmt,width", RECORDS41)
+def test_v41_records_decode_in_planes_as_storage_decodes_them(fmt, width):
+    codec = storage.RowCodec(fmt, width)
+    rows = codec.encode(_values(48, width))
+    lay = formats.layout(fmt, width, 0, "tpu")
+    assert lay.stored_width == rows.shape[-1] == codec.stored_width
+    planes = jax.jit(lambda rows: formats.decode_tpu(lay, rows))(rows)
+    _assert_same_bits(formats.from_planes(lay, jnp.stack(planes, axis=-2)), codec.decode(rows))
+    dims = lay.lane_dims()
+    assert sorted(dims[dims >= 0].tolist()) == list(range(width))  # every dim once
+    with pytest.raises(ValueError, match=f"{fmt} rows are read by the TPU kernels only"):
+        formats.encode_tpu(lay, jnp.zeros((1, width)))

@@ -19,6 +19,8 @@ The ops with a kernel:
   index_scores             indexer.index_scores              indexer/{tpu,gpu}.py
   sparse_decode_attention  attention.sparse_decode_attention sparse_attention/{tpu,gpu}.py
   dense_decode_attention   attention.dense_decode_attention  dense_attention/{tpu,gpu}.py
+  sparse_decode41          attention41.sparse_decode41       sparse_attention/{tpu,gpu}.py
+                           (DeepSeek-V4.1's decode read; the GPU kernel reads float rows)
 
 The kernels read one query per slot; a chunk of several queries runs the reference. Nothing
 else in the library calls a kernel or chooses an implementation.
@@ -82,6 +84,7 @@ from v4kv_jax.ops.doors import (
     emit_entries_online,
     index_scores,
     index_topk,
+    sparse_decode41,
     sparse_decode_attention,
 )
 from v4kv_jax.ops.writes import put_records
@@ -398,5 +401,5 @@ __all__ = [
     "KernelUnavailableError", "Stored", "WindowKeys", "choices", "choose",
     "dense_decode_attention", "emit_entries", "emit_entries_online", "index_scores",
     "index_topk", "kernel_module", "make_resident", "measured", "put_records", "read", "resolve",
-    "sparse_decode_attention", "supported", "unchecked",
+    "sparse_decode41", "sparse_decode_attention", "supported", "unchecked",
 ]

@@ -33,7 +33,7 @@ from v4kv_jax.config import (
     Options,
 )
 from v4kv_jax.config import options_or_default as _options
-from v4kv_jax.ops import attention, compressor, indexer
+from v4kv_jax.ops import attention, attention41, compressor, indexer
 from v4kv_jax.pools.layout import CompressorSpec
 
 _BACKEND_OF = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
@@ -46,6 +46,7 @@ _OPS = {
     "index_scores": (indexer.index_scores, "indexer"),
     "sparse_decode_attention": (attention.sparse_decode_attention, "sparse_attention"),
     "dense_decode_attention": (attention.dense_decode_attention, "dense_attention"),
+    "sparse_decode41": (attention41.sparse_decode41, "sparse_attention"),
 }
 assert tuple(_OPS) == KERNEL_OPS
 

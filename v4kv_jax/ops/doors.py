@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from v4kv_jax import pools
 from v4kv_jax.config import AttentionConfig, CacheConfig, LayerKind, Options
 from v4kv_jax.config import options_or_default as _options
-from v4kv_jax.ops import attention, compressor, indexer
+from v4kv_jax.ops import attention, attention41, compressor, indexer
 from v4kv_jax.ops.choice import _dispatch
 from v4kv_jax.pools.layout import CacheLayout, CompressorSpec
 from v4kv_jax.pools.layout import of as layout_of
@@ -212,6 +212,32 @@ def dense_decode_attention(model: AttentionConfig, geometry: CacheConfig,
                                       **_read_formats(model, geometry, window, c128)))
 
 
+def sparse_decode41(config, geometry: CacheConfig, options: Options | None = None, *,
+                    window: pools.Lanes, layer, slot_ids: jax.Array, q_pos: jax.Array,
+                    entries: pools.Lanes, ids: jax.Array, valid: jax.Array,
+                    page_rows: jax.Array, q: jax.Array, sink: jax.Array,
+                    reference=None) -> jax.Array:
+    """DeepSeek-V4.1's decode read of a sparse layer, one query per row, before the inverse
+    RoPE (`attention41.sparse_decode41`: arguments and result; `config` a `V41Config`).
+    `reference`: a caller's own read of the same (a callable giving f32[B, H, hd]), run
+    where the op's reference would (the V4.1 step passes its read, so that a platform
+    without the kernel computes what it computes for any chunk)."""
+    arrays = dict(window=window, layer=layer, slot_ids=slot_ids, q_pos=q_pos, entries=entries,
+                  ids=ids, valid=valid, page_rows=page_rows, q=q, sink=sink)
+    if reference is None:
+        def reference():
+            return attention41.sparse_decode41(config, geometry, **arrays)
+
+    def run_kernel(kernel, choice):
+        return kernel(q, sink, window.planes, layer, slot_ids, q_pos, entries.planes,
+                      page_rows, ids, valid, block_sizes=choice.block_sizes,
+                      interpret=choice.interpret, entry_format=geometry.entry_dtype,
+                      window_format=geometry.window_dtype, entry_lanes=entries.map.spec,
+                      window_lanes=window.map.spec)
+
+    return _dispatch("sparse_decode41", config, geometry, options, reference, run_kernel)
+
+
 def _window_decode_attention(model, geometry, options, fixed, common, reference):
     """An SWA layer's decode read: on a TPU the HCA read's kernel over no entries (the
     window alone, read in place), elsewhere `reference()` (the window gathered in position
@@ -232,4 +258,4 @@ def _window_decode_attention(model, geometry, options, fixed, common, reference)
 
 
 __all__ = ["dense_decode_attention", "emit_entries", "emit_entries_online", "index_scores",
-           "index_topk", "sparse_decode_attention"]
+           "index_topk", "sparse_decode41", "sparse_decode_attention"]
