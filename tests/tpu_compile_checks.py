@@ -13,6 +13,8 @@ by tests/test_tpu_compile.py (libtpu and the TPU compiler's memory leave with it
   v6e: no cache array relayouted or copied in HBM (`targets.cache_copies`), temporaries
   bounded by the working set, not by the cache; every cache array row-major and unpadded
   as the chip lays it out (`pools.laid_out`; a V4.1-Flash cache too, `pools.laid_out41`).
+- V4.1's decode read kernel (`ops.sparse_decode41`) at V4.1-Flash's widths in the release
+  records on v5e and v6e, copying no cache array; "auto" puts it in the V4.1 decode step.
 - The notebook's Generator program compiles for the single chips Colab offers; the
   data-parallel step on a 4-chip topology holds no collective.
 """
@@ -162,6 +164,34 @@ def test_the_v41_step_keeps_the_cache_in_place(generation, width, tokens):
     compiled = targets.compile_for(step41._step_jit, *args, target=_device(generation),
                                    bf16_latent=False, options=v4.Options())
     _assert_in_place(compiled, args[0], allowance, (width, tokens))
+    # "auto" on a TPU: a decode step's sparse reads are the kernel's, a chunk's the step's.
+    assert ("v4kv_sparse_decode41" in compiled.as_text()) == (tokens == 1)
+
+
+@pytest.mark.time_limit(120)
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_v41_decode_read_kernel_compiles_at_flash_widths(generation):
+    """`ops.sparse_decode41` forced to its TPU kernel at V4.1-Flash's widths (64 heads of
+    512, window 128, 512 picks) in the release records (nvfp4 entries, mxfp8 window rows,
+    decoded in the kernel): Mosaic compiles it, and no cache array is copied or relayouted."""
+    config = sweep.flash41_layers()
+    geometry = v4.cache_config41("release", num_pages=16 * 32 + 1, max_slots=16,
+                                 max_pages_per_seq=32)
+    cache = jax.eval_shape(lambda: v4.pools.init_cache41(config, geometry))
+    B, K, H, hd = 4, config.index_topk, config.num_heads, config.head_dim
+    sds = jax.ShapeDtypeStruct
+    args = dict(window=v4.pools.cache41.window41(cache),
+                entries=v4.pools.cache41.source_store(cache, "entries", 3),
+                slot_ids=sds((B,), jnp.int32), q_pos=sds((B,), jnp.int32),
+                ids=sds((B, K), jnp.int32), valid=sds((B, K), bool),
+                page_rows=sds((B, 32), jnp.int32), q=sds((B, H, hd), jnp.float32),
+                sink=sds((H,), jnp.float32))
+    kernel = v4.Options(implementation="pallas_tpu")
+    read = jax.jit(lambda a: ops.sparse_decode41(config, geometry, kernel, layer=4, **a))
+    compiled = targets.compile_for(read, args, target=_device(generation))
+    assert "v4kv_sparse_decode41" in compiled.as_text()
+    found = targets.cache_copies(compiled)
+    assert not (found.relayouts or found.copies or found.moves), found
 
 
 def _assert_in_place(compiled, cache, allowance_mib: float, what) -> None:
