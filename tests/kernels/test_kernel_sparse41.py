@@ -105,6 +105,15 @@ def test_kernel_equals_the_reference(config, topk, formats):
     assert_close(got, want, "float32")
 
 
+def test_gpu_kernel_reads_float_rows():
+    """The GPU kernel (float rows only: `supported`) in interpret mode, tiny41's widths."""
+    geometry, args = _case(TINY, "float32", 24, seed=1)
+    want = _read(TINY, geometry, args, REFERENCE)
+    got = _read(TINY, geometry, args,
+                kernel_options("pallas_gpu", OP, BlockSizes(picks_per_block=8, num_splits=2)))
+    assert_close(got, want, "float32")
+
+
 def test_the_reference_is_the_window_and_the_picks_by_hand():
     """The read of one row by hand: its window rows of positions >= 0 and its valid picks,
     decoded, in one softmax with the sink in the denominator."""
@@ -147,7 +156,7 @@ def test_the_decode_step_with_the_kernel_equals_the_reference_step(monkeypatch):
     decode reads run the kernel (interpret mode), and every output and pick equals the
     reference step's, in the release records. Slot 0 is a padding row (NaN vectors); every
     unwritten word is NaN (all-ones words: NaN in every record)."""
-    config, length, first = TINY, 17, 13
+    config, length, first = TINY, 15, 13
     calls = []
     kernel_fn = ops.kernel_module(OP, "pallas_tpu").sparse_decode41
     monkeypatch.setattr(ops.kernel_module(OP, "pallas_tpu"), OP,
