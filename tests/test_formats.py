@@ -439,9 +439,9 @@ def test_random_and_nan_poison_rows_decode_exactly(fmt, width, rope_dim):
 
 @pytest.mark.parametrize("field, value, message", [
     ("entry_dtype", "fp4_index", "entry_dtype: expected one of ('float32', 'bfloat16', "
-     "'float16', 'fp8_latent'); got 'fp4_index'"),
+     "'float16', 'fp8_latent', 'nvfp4'); got 'fp4_index'"),
     ("index_dtype", "fp8_latent", "index_dtype: expected one of ('float32', 'bfloat16', "
-     "'float16', 'fp4_index'); got 'fp8_latent'"),
+     "'float16', 'fp4_index', 'mxfp4'); got 'fp8_latent'"),
     ("window_dtype", "int8", "window_dtype: expected one of"),
     ("tail_dtype", "fp8_latent", "tail_dtype: expected one of ('float32', 'bfloat16', "
      "'float16'); got 'fp8_latent'"),
