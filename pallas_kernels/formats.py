@@ -199,14 +199,20 @@ class Layout:
         return self.width - self.rope_dim
 
     @property
+    def coded(self) -> int:
+        """Dims held as codes: fp8_latent's nope dims (its RoPE dims follow in bf16), every
+        dim of the other packed formats (an fp4_index key's RoPE dims included)."""
+        return self.nope if self.fmt == "fp8_latent" else self.width
+
+    @property
     def code_words(self) -> int:
         """Words of codes at the start of a row."""
-        return self.nope // self.per_word
+        return self.coded // self.per_word
 
     @property
     def blocks(self) -> int:
         """Scale blocks per row."""
-        return self.nope // BLOCK[self.fmt]
+        return self.coded // BLOCK[self.fmt]
 
     @property
     def scale_word(self) -> int:
