@@ -19,7 +19,7 @@ import pytest
 import v41_cases as cases
 
 import v4kv_jax as v4
-from v4kv_jax import pools, step41
+from v4kv_jax import plan, pools, step41
 from v4kv_jax.pools import cache41
 from v4kv_jax.testing import v41_oracle as oracle
 
@@ -82,16 +82,29 @@ def _run(cache, config, inputs, slot, chunks, *, other=None, start=0, options=No
     return cache, [np.concatenate(o) for o in outs], picks
 
 
-def _check(config, ref, outs, picks) -> None:
+def _comparable(config, ref, layer: int) -> np.ndarray:
+    """bool[L]: the queries whose picks in `layer` are defined beyond fp32's rounding (the
+    oracle's score margin at its cuts over MARGIN; every query of a window-only layer)."""
+    p = plan.of(config)[layer]
+    return ref.margins[p.picks] > MARGIN if p.read == "sparse" else np.ones(
+        len(ref.outputs[layer]), bool)
+
+
+def _check(config, ref, outs, picks, *, rope_atol: float = ATOL) -> None:
+    """Outputs within ATOL of the oracle (the RoPE dims within `rope_atol`) and picks equal
+    to its selections, wherever its margins exceed MARGIN (at least 80 % of them)."""
+    nope = config.head_dim - config.rope_dim
     for layer, (got, want) in enumerate(zip(outs, ref.outputs, strict=True)):
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL, err_msg=f"layer {layer}")
-    compared = 0
+        rows = _comparable(config, ref, layer)
+        assert rows.mean() >= 0.8, (layer, rows.mean())
+        np.testing.assert_allclose(got[rows, :, :nope], want[rows, :, :nope], rtol=0,
+                                   atol=ATOL, err_msg=f"layer {layer}")
+        np.testing.assert_allclose(got[rows, :, nope:], want[rows, :, nope:], rtol=0,
+                                   atol=rope_atol, err_msg=f"layer {layer}")
     for i in config.index_source_layers:
         for t, got in enumerate(picks[i]):
             if ref.margins[i][t] > MARGIN:
                 np.testing.assert_array_equal(got, ref.selections[i][t], err_msg=f"{i} t={t}")
-                compared += 1
-    assert compared >= 0.8 * sum(len(p) for p in picks.values())
 
 
 def _stored(cache, config, ref, slot, length) -> None:
@@ -291,20 +304,24 @@ def test_the_flash_plan_at_tiny_widths_equals_the_oracle():
     _stored(cache, config, ref, 1, 80)
 
 
-def test_real_record_sizes_with_the_candidate_cut():
+def test_real_widths_with_the_candidate_cut():
     """T5: V4.1-Flash's widths (hd 512, rope 64, 32 index heads of 128, top-512, candidate
     blocks of 8) in three ratio-1 layers (a kv source that is the candidate source, a Reuse
-    layer, a Reindex layer with candidates), 72 candidate blocks of 138 cut, 1100 tokens in
-    the release records (528 / 288 / 68 B), against the oracle with the same fake
-    quantisation."""
+    layer, a Reindex layer with candidates), 1100 tokens: 72 candidate blocks of 138 kept.
+
+    float32 storage: the RoPE angle is one fp32 product p * f_i, as the official code forms
+    it, so at positions up to 1100 a rotated value is within |v| 1100 2^-24 (|v| < 6 here:
+    4e-4) of the float64 oracle's, its RoPE dims held to that; the other dims to 5e-5. (In
+    the release records such a difference flips a code now and then: T4 holds them at short
+    lengths.) The records at these widths are 528 / 288 / 68 B."""
     config = v4.flash41(hidden_size=256, num_heads=8, o_groups=8, q_lora_rank=64,
                         o_lora_rank=16, compress_ratios=(1, 1, 1), kv_source_layers=(0,),
                         index_source_layers=(0, 2), candidate_source_layer=0,
                         candidate_topk_blocks=72)
     stack = cases.stack_of(config)
     inputs = oracle.random_inputs(stack, 1100, seed=5)
-    ref = oracle.run(stack, inputs, quantize=True)
-    geometry = cache41.cache_config41("release", num_pages=9, max_slots=1, max_pages_per_seq=9)
+    ref = oracle.run(stack, inputs)
+    geometry = cache41.cache_config41("float32", num_pages=9, max_slots=1, max_pages_per_seq=9)
     cache = pools.reset_slot(cache41.init_cache41(config, geometry), 0)
     outs, picks = [[] for _ in inputs], {i: [] for i in config.index_source_layers}
     for lo in range(0, 1100, 100):
@@ -314,6 +331,8 @@ def test_real_record_sizes_with_the_candidate_cut():
             outs[layer].append(np.asarray(o[0]))
         for i, (ids, valid) in zip(config.index_source_layers, out.picks, strict=True):
             picks[i] += [np.asarray(ids[0, t])[np.asarray(valid[0, t])] for t in range(100)]
-    _check(config, ref, [np.concatenate(o) for o in outs], picks)
-    assert cache.codec("entries").row_bytes == 288 and cache.codec("keys").row_bytes == 68
-    assert cache.codec("window").row_bytes == 528
+    _check(config, ref, [np.concatenate(o) for o in outs], picks, rope_atol=4e-4)
+    assert ref.margins[2][600:].max() < np.inf  # the candidate cut was made
+    release = cache41.cache_config41("release", num_pages=1, max_slots=1, max_pages_per_seq=1)
+    assert [cache41.codec41(config, release, n).row_bytes
+            for n in ("window", "entries", "keys")] == [528, 288, 68]
