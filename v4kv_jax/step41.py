@@ -42,7 +42,7 @@ from flax import struct
 
 from v4kv_jax import append, checks, ops, plan, pools, programs, rope
 from v4kv_jax.config import Options, options_or_default
-from v4kv_jax.ops import compressor41, indexer41
+from v4kv_jax.ops import attention41, compressor41, indexer41
 from v4kv_jax.pools import cache41, paging
 from v4kv_jax.pools.cache41 import Cache41
 from v4kv_jax.pools.tree import SlotStatus
@@ -183,28 +183,6 @@ def _picked(cache: Cache41, source: int, pages: jax.Array, ids: jax.Array) -> ja
     store = cache41.source_store(cache, "entries", source)
     rows = store.take((page.reshape(ids.shape),), ids % per_page)
     return cache.codec("entries").decode(rows)
-
-
-def _attend(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
-    """o [B, T, H, hd] of one softmax over every (keys, ok) of `key_sets` (keys [B, K, hd]
-    shared by the chunk or [B, T, K, hd] per query; ok bool [B, T, K]) with the sink in the
-    denominator; V = K."""
-    scale = np.float32(q.shape[-1] ** -0.5)
-    logits = []
-    for keys, ok in key_sets:
-        spec = "bthd,bkd->bthk" if keys.ndim == 3 else "bthd,btkd->bthk"
-        x = jnp.einsum(spec, q, keys, precision=jax.lax.Precision.HIGHEST) * scale
-        logits.append(jnp.where(ok[:, :, None, :], x, -jnp.inf))
-    s = sink.astype(jnp.float32)[None, None, :]
-    top = jnp.maximum(jnp.max(jnp.stack([x.max(-1) for x in logits]), axis=0), s)
-    total = jnp.exp(s - top)
-    out = 0.0
-    for (keys, ok), x in zip(key_sets, logits, strict=True):
-        p = jnp.where(ok[:, :, None, :], jnp.exp(x - top[..., None]), 0.0)
-        total = total + p.sum(-1)
-        spec = "bthk,bkd->bthd" if keys.ndim == 3 else "bthk,btkd->bthd"
-        out = out + jnp.einsum(spec, p, keys, precision=jax.lax.Precision.HIGHEST)
-    return out / total[..., None]
 
 
 @struct.dataclass
@@ -348,7 +326,7 @@ def layer41(cache: Cache41, chunk: Chunk41, layer: int, vectors: LayerVectors41,
         if sparse:
             picked = _picked(cache, p.entries, chunk.pages, ids)
             key_sets.append((jnp.where(valid[..., None], picked, 0.0), valid))
-        return _attend(q, weights.sink, key_sets)
+        return attention41.attend(q, weights.sink, key_sets)
 
     def tile_attend(q, t, ids, valid):
         t = t[..., None]

@@ -29,23 +29,32 @@ from v4kv_jax.pools.cache41 import codec41
 from v4kv_jax.pools.lanes import Lanes
 
 
-def attend41(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
-    """o f32[B, H, hd] of one softmax over every (keys f32[B, K, hd], ok bool[B, K]) of
-    `key_sets` with the sink in the denominator; V = K; q f32[B, H, hd] (rotated)."""
+def attend(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
+    """o [B, T, H, hd] of one softmax over every (keys, ok) of `key_sets` (keys [B, K, hd]
+    shared by the chunk or [B, T, K, hd] per query; ok bool [B, T, K]) with the sink in the
+    denominator; V = K; q f32[B, T, H, hd] (rotated). The step's read (`step41.layer41`)."""
     scale = np.float32(q.shape[-1] ** -0.5)
     logits = []
     for keys, ok in key_sets:
-        x = jnp.einsum("bhd,bkd->bhk", q, keys, precision=jax.lax.Precision.HIGHEST) * scale
-        logits.append(jnp.where(ok[:, None, :], x, -jnp.inf))
-    s = sink.astype(jnp.float32)[None, :]
+        spec = "bthd,bkd->bthk" if keys.ndim == 3 else "bthd,btkd->bthk"
+        x = jnp.einsum(spec, q, keys, precision=jax.lax.Precision.HIGHEST) * scale
+        logits.append(jnp.where(ok[:, :, None, :], x, -jnp.inf))
+    s = sink.astype(jnp.float32)[None, None, :]
     top = jnp.maximum(jnp.max(jnp.stack([x.max(-1) for x in logits]), axis=0), s)
     total = jnp.exp(s - top)
     out = 0.0
     for (keys, ok), x in zip(key_sets, logits, strict=True):
-        p = jnp.where(ok[:, None, :], jnp.exp(x - top[..., None]), 0.0)
+        p = jnp.where(ok[:, :, None, :], jnp.exp(x - top[..., None]), 0.0)
         total = total + p.sum(-1)
-        out = out + jnp.einsum("bhk,bkd->bhd", p, keys, precision=jax.lax.Precision.HIGHEST)
+        spec = "bthk,bkd->bthd" if keys.ndim == 3 else "bthk,btkd->bthd"
+        out = out + jnp.einsum(spec, p, keys, precision=jax.lax.Precision.HIGHEST)
     return out / total[..., None]
+
+
+def attend41(q: jax.Array, sink: jax.Array, key_sets) -> jax.Array:
+    """`attend` of one query a row: q f32[B, H, hd], key_sets of (keys f32[B, K, hd], ok
+    bool[B, K]); o f32[B, H, hd]."""
+    return attend(q[:, None], sink, [(k, ok[:, None]) for k, ok in key_sets])[:, 0]
 
 
 def window_keys(config: V41Config, geometry: CacheConfig, window: Lanes, layer, slot_ids,
@@ -90,4 +99,4 @@ def sparse_decode41(config: V41Config, geometry: CacheConfig, *, window: Lanes, 
     return attend41(q.astype(jnp.float32), sink, [keys, (picked, valid)])
 
 
-__all__ = ["attend41", "picked_keys", "sparse_decode41", "window_keys"]
+__all__ = ["attend", "attend41", "picked_keys", "sparse_decode41", "window_keys"]
